@@ -1,0 +1,58 @@
+"""Shared fixtures: a real nats-server on a free loopback port, the tiny model, upstream's schema module.
+
+Environment defaults for vLLM on CPU are set here so every test process (and the engine processes
+they spawn) runs offline with a small KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+# Dynamo runtime: stay on loopback.
+os.environ.setdefault("DYN_TCP_RPC_HOST", "127.0.0.1")
+os.environ.setdefault("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
+os.environ.setdefault("DYN_EVENT_PLANE_HOST", "127.0.0.1")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM_DIR = REPO_ROOT / ".cache" / "upstream" / "ai-dynamo-1.6.1"
+
+from dynamo.common.nats_server import EmbeddedNatsServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNatsServer]:
+    """One real nats-server for the session. Tests that stop it must use ``fresh_nats_server``."""
+    with EmbeddedNatsServer() as server:
+        yield server
+
+
+@pytest.fixture()
+def fresh_nats_server() -> Iterator[EmbeddedNatsServer]:
+    """A nats-server of this test's own, free to stop and restart."""
+    with EmbeddedNatsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama model and tokenizer, built on the spot (about 4 s)."""
+    from dynamo.vllm.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def upstream_dir() -> Path:
+    """The unpacked upstream ai-dynamo 1.6.1 wheel (fetched by `make setup`; tests never download)."""
+    if not (UPSTREAM_DIR / "dynamo" / "common" / "forward_pass_metrics.py").is_file():
+        pytest.fail(f"{UPSTREAM_DIR} is missing: run `make setup` (it fetches the upstream wheel once)")
+    return UPSTREAM_DIR
