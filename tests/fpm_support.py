@@ -1,0 +1,95 @@
+"""Shared helpers for the FPM core tests: a raw nats-py collector, sample records, polling waits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import nats
+from dynamo.common.forward_pass_metrics import (
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+    decode,
+)
+from dynamo.common.fpm_subjects import EventEnvelope, decode_envelope
+
+
+def full_record(worker_id: str = "worker-1", dp_rank: int = 0, seed: int = 1) -> ForwardPassMetrics:
+    """A record with every field set to a distinct non-default value (extensions included)."""
+    s = seed
+    return ForwardPassMetrics(
+        worker_id=worker_id,
+        dp_rank=dp_rank,
+        counter_id=0,
+        wall_time=0.0125 * s,
+        scheduled_requests=ScheduledRequestMetrics(
+            num_prefill_requests=2 * s,
+            sum_prefill_tokens=300 * s,
+            var_prefill_length=12.5 * s,
+            sum_prefill_kv_tokens=64 * s,
+            num_decode_requests=5 * s,
+            sum_decode_kv_tokens=900 * s,
+            var_decode_kv_tokens=33.0 * s,
+        ),
+        queued_requests=QueuedRequestMetrics(
+            num_prefill_requests=4 * s,
+            sum_prefill_tokens=400 * s,
+            var_prefill_length=1.5 * s,
+            num_decode_requests=6 * s,
+            sum_decode_kv_tokens=345 * s,
+            var_decode_kv_tokens=2.25 * s,
+            num_decode_kv_transfer_requests=3 * s,
+            sum_decode_kv_transfer_tokens=200 * s,
+            num_decode_kv_ready_requests=3 * s,
+            sum_decode_kv_ready_tokens=145 * s,
+        ),
+    )
+
+
+@dataclass
+class Received:
+    subject: str
+    envelope: EventEnvelope
+    record: ForwardPassMetrics | None
+    at: float  # perf_counter at receipt
+
+
+@dataclass
+class Collector:
+    """A plain nats-py subscriber that decodes envelope and record of every message."""
+
+    url: str
+    subject: str
+    items: list[Received] = field(default_factory=list)
+    nc: nats.NATS | None = None
+
+    async def start(self) -> Collector:
+        self.nc = await nats.connect(self.url)
+
+        async def on_msg(msg: nats.aio.msg.Msg) -> None:
+            env = decode_envelope(msg.data)
+            self.items.append(Received(msg.subject, env, decode(env.payload), time.perf_counter()))
+
+        await self.nc.subscribe(self.subject, cb=on_msg, pending_msgs_limit=1_000_000)
+        await self.nc.flush()
+        return self
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            await self.nc.close()
+
+    def records(self, *, heartbeats: bool = True) -> list[ForwardPassMetrics]:
+        out = [r.record for r in self.items if r.record is not None]
+        return out if heartbeats else [r for r in out if r.wall_time > 0]
+
+
+async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(interval)
+    return pred()
