@@ -1,0 +1,323 @@
+"""FPM subscriber: the latest record per engine of one namespace, with gaps, restarts and staleness.
+
+What the planner and the watch CLI read. ``handle_message`` is the pure part (no I/O, testable
+without NATS); ``start``/``stop`` wrap it in a nats-py subscription on
+``namespace.{ns}.component.{c|*}.endpoint.{e|*}.forward-pass-metrics`` that reconnects forever.
+
+Per engine key (component, endpoint, worker_id, dp_rank) it keeps the latest record, its receive
+time and the latest *timing* record (``wall_time > 0``; heartbeats and queue snapshots are not
+timing samples). ``counter_id`` is monotonic per publisher: a jump counts the missing records as
+gaps; a decrease, or a new envelope ``publisher_id`` with a lower counter, counts as a restart.
+Nothing on the wire can raise out of ``handle_message``: every rejection is counted by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+import msgspec
+from dynamo.common.forward_pass_metrics import FPM_VERSION, ForwardPassMetrics
+from dynamo.common.fpm_subjects import FPM_TOPIC, decode_envelope, fpm_subscription, parse_fpm_subject
+from dynamo.common.nats_options import nats_connect_options_from_env, nats_servers, nats_url_from_env
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerKey(NamedTuple):
+    component: str
+    endpoint: str
+    worker_id: str
+    dp_rank: int
+
+
+@dataclass
+class TrackedWorker:
+    key: WorkerKey
+    record: ForwardPassMetrics
+    received_at: float  # tracker clock (monotonic) at receipt
+    published_at_ms: int  # envelope time stamp (publisher's epoch ms)
+    last_timing_record: ForwardPassMetrics | None  # latest with wall_time > 0
+    records: int = 0
+    gaps: int = 0  # records missing according to counter_id
+    restarts: int = 0  # counter went backwards or a new publisher took over
+    stale: bool = False
+    publisher_id: int = 0
+    duplicates: int = 0
+
+
+@dataclass
+class TrackerStats:
+    received: int = 0  # messages seen on the subscription
+    accepted: int = 0  # records applied to a worker
+    malformed_envelope: int = 0
+    malformed_record: int = 0
+    wrong_version: int = 0
+    wrong_subject: int = 0  # not an FPM subject of our namespace / filters
+    wrong_topic: int = 0
+    missing_worker_id: int = 0  # empty worker_id: never tracked (it would shadow every worker)
+    duplicates: int = 0  # same publisher and counter_id again
+    gaps: int = 0
+    restarts: int = 0
+    listener_errors: int = 0
+    reconnects: int = 0
+    slow_consumer: int = 0  # nats-py dropped messages because we fell behind
+
+    def rejected(self) -> int:
+        return (
+            self.malformed_envelope
+            + self.malformed_record
+            + self.wrong_version
+            + self.wrong_subject
+            + self.wrong_topic
+            + self.missing_worker_id
+        )
+
+
+class _VersionOnly(msgspec.Struct):
+    version: int = -1
+
+
+_record_decoder = msgspec.msgpack.Decoder(ForwardPassMetrics)
+_version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
+
+Listener = Callable[[TrackedWorker, str], None]
+
+
+class FpmTracker:
+    """Tracks the FPM records of one namespace (optionally one component / endpoint)."""
+
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        component: str | None = None,
+        endpoint: str | None = None,
+        nats_url: str | None = None,
+        stale_after: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.namespace = namespace
+        self.component = component
+        self.endpoint = endpoint
+        self.subscription = fpm_subscription(namespace, component, endpoint)  # validates the tokens
+        self.nats_url = nats_url
+        self.stale_after = stale_after
+        self.clock = clock
+        self._workers: dict[WorkerKey, TrackedWorker] = {}
+        self._listeners: list[Listener] = []
+        self._stats = TrackerStats()
+        self._nc: Any = None
+        self._sub: Any = None
+
+    # ----------------------------------------------------------------- pure part
+    def handle_message(self, subject: str, data: bytes) -> None:
+        """Apply one NATS message; never raises (rejections are counted in ``stats()``)."""
+        st = self._stats
+        st.received += 1
+        parsed = parse_fpm_subject(subject)
+        if (
+            parsed is None
+            or parsed.namespace != self.namespace
+            or (self.component is not None and parsed.component != self.component)
+            or (self.endpoint is not None and parsed.endpoint != self.endpoint)
+        ):
+            st.wrong_subject += 1
+            return
+        try:
+            env = decode_envelope(data)
+        except Exception:
+            st.malformed_envelope += 1
+            return
+        if env.topic != FPM_TOPIC:
+            st.wrong_topic += 1
+            return
+        try:
+            record = _record_decoder.decode(env.payload)
+        except Exception:
+            try:
+                version = _version_decoder.decode(env.payload).version
+            except Exception:
+                version = FPM_VERSION
+            if version != FPM_VERSION:
+                st.wrong_version += 1
+            else:
+                st.malformed_record += 1
+            return
+        if record.version != FPM_VERSION:
+            st.wrong_version += 1
+            return
+        if not record.worker_id:
+            st.missing_worker_id += 1
+            return
+        key = WorkerKey(parsed.component, parsed.endpoint, record.worker_id, record.dp_rank)
+        worker = self._apply(key, record, env.publisher_id, env.published_at)
+        if worker is None:
+            return
+        st.accepted += 1
+        for fn in list(self._listeners):
+            try:
+                fn(worker, subject)
+            except Exception:
+                st.listener_errors += 1
+                if st.listener_errors == 1:
+                    logger.exception("FPM tracker listener failed; further failures are only counted")
+
+    def _apply(
+        self, key: WorkerKey, record: ForwardPassMetrics, publisher_id: int, published_at: int
+    ) -> TrackedWorker | None:
+        now = self.clock()
+        timing = record if record.wall_time > 0 else None
+        worker = self._workers.get(key)
+        if worker is None:
+            worker = TrackedWorker(
+                key=key,
+                record=record,
+                received_at=now,
+                published_at_ms=published_at,
+                last_timing_record=timing,
+                records=1,
+                publisher_id=publisher_id,
+            )
+            self._workers[key] = worker
+            return worker
+        last = worker.record.counter_id
+        counter = record.counter_id
+        if publisher_id == worker.publisher_id and counter == last:
+            worker.duplicates += 1
+            self._stats.duplicates += 1
+            return None
+        if counter < last or (publisher_id != worker.publisher_id and counter != last + 1):
+            worker.restarts += 1
+            self._stats.restarts += 1
+        elif counter > last + 1:
+            missing = counter - last - 1
+            worker.gaps += missing
+            self._stats.gaps += missing
+        worker.record = record
+        worker.received_at = now
+        worker.published_at_ms = published_at
+        worker.publisher_id = publisher_id
+        worker.records += 1
+        worker.stale = False
+        if timing is not None:
+            worker.last_timing_record = timing
+        return worker
+
+    def workers(self, *, include_stale: bool = False) -> list[TrackedWorker]:
+        """Copies of the tracked workers, sorted by key; ``stale`` is evaluated now."""
+        now = self.clock()
+        out = []
+        for key in sorted(self._workers):
+            w = self._workers[key]
+            w.stale = now - w.received_at > self.stale_after
+            if include_stale or not w.stale:
+                out.append(replace(w))
+        return out
+
+    def get(self, key: WorkerKey) -> TrackedWorker | None:
+        w = self._workers.get(key)
+        if w is None:
+            return None
+        w.stale = self.clock() - w.received_at > self.stale_after
+        return replace(w)
+
+    def add_listener(self, fn: Listener) -> None:
+        """``fn(worker, subject)`` is called for every accepted record (exceptions are counted)."""
+        self._listeners.append(fn)
+
+    def forget(self, key: WorkerKey) -> None:
+        self._workers.pop(key, None)
+
+    def stats(self) -> TrackerStats:
+        return replace(self._stats)
+
+    # ----------------------------------------------------------------- NATS
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def start(self, timeout: float = 5.0) -> None:
+        """Connect (env auth/TLS options) and subscribe.
+
+        Raises ``ConnectionError`` when NATS cannot be reached within ``timeout`` seconds; once
+        connected, nats-py reconnects forever and restores the subscription.
+        """
+        import nats
+
+        url = self.nats_url or nats_url_from_env()
+        nc = nats.NATS()
+
+        async def on_error(exc: Exception) -> None:
+            if isinstance(exc, nats.errors.SlowConsumerError):
+                self._stats.slow_consumer += 1
+            else:
+                logger.debug("FPM tracker NATS error: %r", exc)
+
+        async def on_reconnect() -> None:
+            self._stats.reconnects += 1
+
+        try:
+            await asyncio.wait_for(
+                nc.connect(
+                    nats_servers(url),
+                    name=f"fpm-tracker-{self.namespace}",
+                    connect_timeout=max(1, int(timeout)),
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    error_cb=on_error,
+                    reconnected_cb=on_reconnect,
+                    **nats_connect_options_from_env(),
+                ),
+                timeout,
+            )
+        except (TimeoutError, Exception) as exc:
+            try:
+                await nc.close()
+            except Exception:
+                logger.debug("closing the failed NATS client", exc_info=True)
+            raise ConnectionError(f"cannot reach NATS at {url} within {timeout:g} s ({exc!r})") from exc
+
+        async def on_msg(msg: Any) -> None:
+            self.handle_message(msg.subject, msg.data)
+
+        self._nc = nc
+        self._sub = await nc.subscribe(
+            self.subscription, cb=on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=512 * 1024 * 1024
+        )
+        await nc.flush()
+
+    async def stop(self) -> None:
+        nc, self._nc, self._sub = self._nc, None, None
+        if nc is None:
+            return
+        try:
+            await nc.close()
+        except Exception:
+            logger.debug("closing NATS", exc_info=True)
+
+    async def __aenter__(self) -> FpmTracker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def record_to_dict(record: ForwardPassMetrics) -> dict[str, Any]:
+    """Every field, nested as in the schema (extension fields included, None when absent)."""
+    return msgspec.to_builtins(record)
+
+
+__all__ = [
+    "FpmTracker",
+    "TrackedWorker",
+    "TrackerStats",
+    "WorkerKey",
+    "record_to_dict",
+]
