@@ -1,0 +1,221 @@
+"""Read the two JSON-line streams the demo records: FPM records (watch CLI ``--json``) and planner decisions.
+
+Parsing is tolerant on purpose (key aliases, missing fields): the files are written by other processes
+that may be mid-line or of a slightly different version; a bad line is counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+POOL_OF_COMPONENT = {"prefill": "prefill", "backend": "decode", "decode": "decode"}
+POOLS = ("prefill", "decode")
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+@dataclass(frozen=True)
+class FpmSample:
+    """The per-engine figures the demo shows, from one FPM record."""
+
+    t: float
+    pool: str
+    worker: str
+    dp_rank: int
+    wall_time: float
+    queued_prefill_tokens: float
+    queued_prefill_requests: float
+    queued_decode_requests: float
+    queued_decode_kv_tokens: float
+    kv_transfer_tokens: float | None  # None: producer does not report the split
+    kv_ready_tokens: float | None
+    kv_transfer_requests: float | None
+    kv_ready_requests: float | None
+    scheduled_decode_requests: float
+    scheduled_decode_kv_tokens: float
+    scheduled_prefill_tokens: float
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.pool, self.worker, self.dp_rank)
+
+
+def parse_fpm_line(obj: dict[str, Any], now: float | None = None) -> FpmSample | None:
+    """One watch-CLI JSON object -> sample; None when it is not an FPM record of a known pool."""
+    rec = obj.get("record") if isinstance(obj.get("record"), dict) else obj
+    comp = _first(obj, "component", "pool", default=None) or _first(rec, "component", default="")
+    pool = POOL_OF_COMPONENT.get(str(comp))
+    if pool is None:
+        subject = str(_first(obj, "subject", default=""))
+        parts = subject.split(".")
+        if len(parts) >= 4 and parts[2] == "component":
+            pool = POOL_OF_COMPONENT.get(parts[3])
+    if pool is None:
+        return None
+    sched = rec.get("scheduled_requests") or rec.get("scheduled") or {}
+    queued = rec.get("queued_requests") or rec.get("queued") or {}
+    t = _first(obj, "received_at", "time", "ts", "t", default=None)
+    if t is None and "published_at" in obj:
+        t = _num(obj["published_at"]) / 1000.0
+    t = _num(t) if t is not None else (now if now is not None else time.time())
+
+    def opt(key: str) -> float | None:
+        v = queued.get(key)
+        return None if v is None else _num(v)
+
+    return FpmSample(
+        t=t,
+        pool=pool,
+        worker=str(_first(rec, "worker_id", default="?")),
+        dp_rank=int(_num(_first(rec, "dp_rank", default=0))),
+        wall_time=_num(rec.get("wall_time")),
+        queued_prefill_tokens=_num(queued.get("sum_prefill_tokens")),
+        queued_prefill_requests=_num(queued.get("num_prefill_requests")),
+        queued_decode_requests=_num(queued.get("num_decode_requests")),
+        queued_decode_kv_tokens=_num(queued.get("sum_decode_kv_tokens")),
+        kv_transfer_tokens=opt("sum_decode_kv_transfer_tokens"),
+        kv_ready_tokens=opt("sum_decode_kv_ready_tokens"),
+        kv_transfer_requests=opt("num_decode_kv_transfer_requests"),
+        kv_ready_requests=opt("num_decode_kv_ready_requests"),
+        scheduled_decode_requests=_num(sched.get("num_decode_requests")),
+        scheduled_decode_kv_tokens=_num(sched.get("sum_decode_kv_tokens")),
+        scheduled_prefill_tokens=_num(sched.get("sum_prefill_tokens")),
+    )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One planner decision (holds included)."""
+
+    t: float
+    pool: str
+    current: int
+    desired: int
+    reason: str
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def is_action(self) -> bool:
+        return self.desired != self.current
+
+    @property
+    def direction(self) -> int:
+        return (self.desired > self.current) - (self.desired < self.current)
+
+
+def parse_decision_line(obj: dict[str, Any]) -> Decision | None:
+    """One decision-log object -> Decision; None if it lacks a pool or replica counts."""
+    pool = str(_first(obj, "pool", "component", default=""))
+    pool = POOL_OF_COMPONENT.get(pool, pool)
+    if pool not in POOLS:
+        return None
+    current = _first(obj, "current", "current_replicas", "replicas", default=None)
+    desired = _first(obj, "desired", "desired_replicas", "target", "target_replicas", default=None)
+    if current is None or desired is None:
+        return None
+    t = _first(obj, "time", "ts", "timestamp", "t", default=None)
+    if isinstance(t, str):
+        try:
+            from datetime import datetime
+
+            t = datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            t = None
+    return Decision(
+        t=_num(t) if t is not None else time.time(),
+        pool=pool,
+        current=int(_num(current)),
+        desired=int(_num(desired)),
+        reason=str(_first(obj, "reason", "why", default="")),
+        raw=obj,
+    )
+
+
+class JsonlTail:
+    """Incremental reader of a JSON-lines file that another process is appending to."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pos = 0
+        self._partial = b""
+        self.bad_lines = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._pos)
+                data = fh.read()
+                self._pos = fh.tell()
+        except OSError:
+            return []
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()  # incomplete last line (or b"")
+        out = []
+        for line in lines:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                self.bad_lines += 1
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
+
+
+@dataclass
+class Signals:
+    """Everything recorded so far: FPM samples, decisions, latest sample per engine."""
+
+    fpm_path: Path
+    decision_path: Path
+    samples: list[FpmSample] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    latest: dict[tuple[str, str, int], FpmSample] = field(default_factory=dict)
+    stale_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self._fpm = JsonlTail(self.fpm_path)
+        self._dec = JsonlTail(self.decision_path)
+
+    def poll(self) -> None:
+        for obj in self._fpm.read_new():
+            s = parse_fpm_line(obj)
+            if s is not None:
+                self.samples.append(s)
+                self.latest[s.key] = s
+        for obj in self._dec.read_new():
+            d = parse_decision_line(obj)
+            if d is not None:
+                self.decisions.append(d)
+
+    def live_engines(self, now: float | None = None) -> list[FpmSample]:
+        now = now if now is not None else time.time()
+        return sorted(
+            (s for s in self.latest.values() if now - s.t <= self.stale_after_s), key=lambda s: s.key
+        )
+
+    def replicas(self, pool: str) -> int | None:
+        """Replicas per the planner's latest decision for the pool (its desired count)."""
+        for d in reversed(self.decisions):
+            if d.pool == pool:
+                return d.desired
+        return None

@@ -1,0 +1,210 @@
+"""What the demo runs: the command line and environment of every component (pure, no I/O).
+
+Everything is started through the project's entry points (``python -m ...``), exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .load import Phase
+
+HERE = Path(__file__).resolve().parent
+# CPU disaggregation: vLLM's NixlConnector through the project's CPU compatibility module.
+CPU_KV_TRANSFER_CONFIG = {
+    "kv_connector": "NixlConnector",
+    "kv_connector_module_path": "dynamo.vllm.nixl_cpu",
+    "kv_role": "kv_both",
+    "kv_buffer_device": "cpu",
+}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that shapes one demo run; defaults are the full ``make demo``."""
+
+    run_dir: Path
+    model_dir: Path
+    discovery_dir: Path
+    nats_port: int
+    http_port: int
+    namespace: str = "demo"
+    served_model_name: str = "tiny"
+    agg: bool = False
+    duration_s: float = 240.0
+    intensity: float = 1.0
+    python: str = sys.executable
+    # Planner bounds and pacing (small on purpose: the demo must react within minutes).
+    prefill_min: int = 1
+    prefill_max: int = 2
+    decode_min: int = 1
+    decode_max: int = 2
+    planner_interval_s: float = 3.0
+    scale_down_window_s: float = 15.0
+    # Engine shape: a small KV cache so the decode-heavy burst really fills it.
+    max_model_len: int = 1024
+    block_size: int = 32
+    decode_kv_blocks: int = 64
+    prefill_kv_blocks: int = 256
+    decode_max_num_seqs: int = 8
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def fpm_path(self) -> Path:
+        return self.run_dir / "fpm.jsonl"
+
+    @property
+    def decision_path(self) -> Path:
+        return self.run_dir / "decisions.jsonl"
+
+    @property
+    def minimum(self) -> dict[str, int]:
+        return {"prefill": 0 if self.agg else self.prefill_min, "decode": self.decode_min}
+
+
+def stack_env(cfg: DemoConfig) -> dict[str, str]:
+    """Environment shared by every component: offline, loopback only, file discovery, NATS event plane."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "NATS_SERVER": cfg.nats_url,
+        "DYN_NAMESPACE": cfg.namespace,
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(cfg.discovery_dir),
+        "DYN_EVENT_PLANE": "nats",
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(cfg.extra_env)
+    return env
+
+
+def nats_argv(cfg: DemoConfig) -> list[str]:
+    return [cfg.python, "-m", "dynamo.common.nats_server", "--port", str(cfg.nats_port)]
+
+
+def model_argv(cfg: DemoConfig) -> list[str]:
+    return [cfg.python, "-m", "dynamo.vllm.tiny_model", str(cfg.model_dir)]
+
+
+def frontend_argv(cfg: DemoConfig) -> list[str]:
+    return [
+        cfg.python, "-m", "dynamo.frontend",
+        "--http-host", "127.0.0.1", "--http-port", str(cfg.http_port), "--namespace", cfg.namespace,
+    ]  # fmt: skip
+
+
+def watch_argv(cfg: DemoConfig) -> list[str]:
+    return [
+        cfg.python,
+        "-m",
+        "dynamo.common.recv_forward_pass_metrics",
+        "--namespace",
+        cfg.namespace,
+        "--json",
+    ]
+
+
+def worker_argv(cfg: DemoConfig, mode: str) -> list[str]:
+    """``python -m dynamo.vllm`` for one pool; ``mode`` is agg, prefill or decode."""
+    blocks = cfg.prefill_kv_blocks if mode == "prefill" else cfg.decode_kv_blocks
+    argv = [
+        cfg.python, "-m", "dynamo.vllm",
+        "--model", str(cfg.model_dir),
+        "--served-model-name", cfg.served_model_name,
+        "--disaggregation-mode", mode,
+        "--namespace", cfg.namespace,
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--max-model-len", str(cfg.max_model_len),
+        "--block-size", str(cfg.block_size),
+        "--num-gpu-blocks-override", str(blocks),
+    ]  # fmt: skip
+    if mode != "prefill":
+        argv += ["--max-num-seqs", str(cfg.decode_max_num_seqs)]
+    if mode != "agg":
+        argv += ["--kv-transfer-config", json.dumps(CPU_KV_TRANSFER_CONFIG, separators=(",", ":"))]
+    return argv
+
+
+def worker_template(cfg: DemoConfig, mode: str) -> str:
+    """The shell-quoted command the planner's ``local`` connector runs for a new replica.
+
+    Wrapped by ``free_port_exec.py`` so every replica gets its own NIXL side-channel port.
+    """
+    wrapper = [cfg.python, str(HERE / "free_port_exec.py"), "VLLM_NIXL_SIDE_CHANNEL_PORT", "--"]
+    return shlex.join(wrapper + worker_argv(cfg, mode))
+
+
+def planner_config(cfg: DemoConfig) -> dict[str, object]:
+    """The planner's configuration (``--config`` inline JSON): local connector, small bounds, fast pacing."""
+    decode_mode = "agg" if cfg.agg else "decode"
+    return {
+        "namespace": cfg.namespace,
+        "nats_url": cfg.nats_url,
+        "interval_s": cfg.planner_interval_s,
+        "target": "throughput",
+        "prefill": {
+            "min_replicas": cfg.minimum["prefill"],
+            "max_replicas": 0 if cfg.agg else cfg.prefill_max,
+        },
+        "decode": {"min_replicas": cfg.decode_min, "max_replicas": cfg.decode_max},
+        "scale_down_window_s": cfg.scale_down_window_s,
+        "idle_window_s": cfg.scale_down_window_s,
+        "action_timeout_s": 300.0,
+        "connector": "local",
+        "decision_log": str(cfg.decision_path),
+        "local": {
+            "prefill_command": "" if cfg.agg else worker_template(cfg, "prefill"),
+            "decode_command": worker_template(cfg, decode_mode),
+            "log_dir": str(cfg.run_dir / "logs"),
+            "initial_prefill": 0 if cfg.agg else 1,
+            "initial_decode": 1,
+        },
+    }
+
+
+def planner_argv(cfg: DemoConfig) -> list[str]:
+    return [
+        cfg.python, "-m", "dynamo.planner",
+        "--config", json.dumps(planner_config(cfg)),
+        "--connector", "local",
+        "--namespace", cfg.namespace,
+        "--decision-log", str(cfg.decision_path),
+    ]  # fmt: skip
+
+
+def load_phases(duration_s: float, intensity: float) -> list[Phase]:
+    """Warm-up, a decode-heavy burst (many concurrent long generations, short prompts), idle.
+
+    The burst takes half of ``duration_s``; the idle tail lets the planner scale back down.
+    """
+    duration_s = max(30.0, duration_s)
+    warm = min(20.0, 0.1 * duration_s)
+    burst = 0.5 * duration_s
+    idle = duration_s - warm - burst
+    concurrency = max(2, round(16 * intensity))
+    return [
+        Phase("warmup", warm, concurrency=2, prompt_words=8, max_tokens=32),
+        Phase("burst", burst, concurrency=concurrency, prompt_words=8, max_tokens=400),
+        Phase("idle", idle, concurrency=0),
+    ]

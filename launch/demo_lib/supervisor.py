@@ -1,0 +1,227 @@
+"""Start, watch and stop the demo's processes; every log goes into one run folder.
+
+Each child runs in its own session (process group) and carries a marker variable in its environment
+(``DEMO_RUN_ID``). Children inherit it, so grandchildren (workers a planner starts) are found and
+stopped too, even after their parent died: cleanup scans ``/proc`` for the marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RUN_MARKER = "DEMO_RUN_ID"
+
+
+@dataclass
+class Managed:
+    """One supervised process; ``critical`` ones end the demo when they exit on their own."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    critical: bool = True
+    stopping: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A critical process that exited although nobody asked it to."""
+
+    name: str
+    returncode: int
+    log_path: Path
+    tail: str
+
+    def describe(self) -> str:
+        return (
+            f"component '{self.name}' exited with code {self.returncode}; last lines of {self.log_path}:\n"
+            + self.tail
+        )
+
+
+def tail_lines(path: Path, n: int = 20) -> str:
+    """The last ``n`` lines of a text file (empty if it does not exist)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-n:])
+
+
+def pids_with_marker(marker_value: str) -> list[int]:
+    """Live processes whose environment holds ``DEMO_RUN_ID=<marker_value>`` (readable ones only)."""
+    needle = f"{RUN_MARKER}={marker_value}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                env = fh.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and not _is_zombie(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"Z"
+    except (OSError, ValueError):
+        return True
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+@dataclass
+class Supervisor:
+    """Owns every process of one demo run. Use as a context manager so cleanup always runs."""
+
+    run_dir: Path
+    run_id: str
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    procs: list[Managed] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.log_dir = self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(self.base_env)
+        env.update(extra or {})
+        env[RUN_MARKER] = self.run_id
+        return env
+
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        critical: bool = True,
+        stdout_path: Path | None = None,
+        cwd: Path | None = None,
+    ) -> Managed:
+        """Start ``argv`` in its own process group; stdout+stderr go to ``logs/<name>.log``.
+
+        With ``stdout_path``, stdout goes there and only stderr to the log (for JSON-line producers).
+        """
+        log_path = self.log_dir / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the child keeps its own copy
+        out = open(stdout_path, "ab") if stdout_path else log  # noqa: SIM115
+        try:
+            log.write(f"# {' '.join(argv)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=log,
+                env=self.env(env),
+                cwd=cwd,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+            if out is not log:
+                out.close()
+        managed = Managed(name=name, argv=list(argv), log_path=log_path, proc=proc, critical=critical)
+        self.procs.append(managed)
+        return managed
+
+    def get(self, name: str) -> Managed | None:
+        return next((m for m in reversed(self.procs) if m.name == name), None)
+
+    def check(self) -> Failure | None:
+        """The first critical process that exited on its own, if any."""
+        for m in self.procs:
+            rc = m.exited()
+            if rc is not None and m.critical and not m.stopping:
+                return Failure(m.name, rc, m.log_path, tail_lines(m.log_path, 25))
+        return None
+
+    def stop(self, managed: Managed, timeout: float = 20.0) -> int | None:
+        """SIGTERM to the process group (workers drain), SIGKILL after ``timeout``."""
+        managed.stopping = True
+        if managed.exited() is None:
+            _signal_group(managed.pid, signal.SIGTERM)
+            try:
+                managed.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(managed.pid, signal.SIGKILL)
+                managed.proc.wait(5)
+        _signal_group(managed.pid, signal.SIGKILL)  # stragglers of its group
+        return managed.proc.returncode
+
+    def stop_all(self, timeout: float = 20.0) -> list[int]:
+        """Stop everything in reverse start order, then kill any process still carrying the run marker.
+
+        Returns the pids that had to be killed by the marker scan (should be empty).
+        """
+        for m in self.procs:
+            m.stopping = True
+        pending = [m for m in reversed(self.procs) if m.exited() is None]
+        for m in pending:
+            _signal_group(m.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for m in pending:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                m.proc.wait(max(0.1, deadline - time.monotonic()))
+        for m in self.procs:
+            _signal_group(m.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                m.proc.wait(5)
+        return self.kill_marked(grace=5.0)
+
+    def kill_marked(self, grace: float = 5.0) -> list[int]:
+        """SIGTERM, then SIGKILL, every live process with this run's marker (except ourselves)."""
+        me = os.getpid()
+        stragglers = [p for p in pids_with_marker(self.run_id) if p != me]
+        for pid in stragglers:
+            _signal_pid(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p != me for p in pids_with_marker(self.run_id)):
+            time.sleep(0.2)
+        for pid in pids_with_marker(self.run_id):
+            if pid != me:
+                _signal_pid(pid, signal.SIGKILL)
+        return stragglers
+
+    def alive(self) -> Iterator[Managed]:
+        return (m for m in self.procs if m.exited() is None)
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()

@@ -1,0 +1,73 @@
+"""Fake stand-ins for the demo's processes (tests only): a tiny OpenAI-style streaming server and a
+fake planner that writes a decision log. They run as real processes so the supervisor sees real pids."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+if str(LAUNCH) not in sys.path:
+    sys.path.insert(0, str(LAUNCH))
+
+FAKE_OPENAI_SERVER = r"""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORT = int(sys.argv[1]); TOKEN_S = float(sys.argv[2]) if len(sys.argv) > 2 else 0.002
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def _send(self, code, body=b"{}"):
+        self.send_response(code); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        if self.path in ("/health", "/live") or self.path.endswith("/ready"):
+            self._send(200)
+        else:
+            self._send(404)
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("model") != "tiny":
+            return self._send(404, b'{"error":"no such model"}')
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
+        def frame(obj):
+            data = ("data: " + (obj if isinstance(obj, str) else json.dumps(obj)) + "\n\n").encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data)); self.wfile.flush()
+        n = int(body.get("max_tokens", 4))
+        for i in range(n):
+            time.sleep(TOKEN_S)
+            frame({"choices": [{"index": 0, "text": " w%d" % i, "finish_reason": None}]})
+        frame({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        frame("[DONE]")
+        self.wfile.write(b"0\r\n\r\n"); self.wfile.flush()
+
+ThreadingHTTPServer(("127.0.0.1", PORT), H).serve_forever()
+"""
+
+# argv: DECISION_LOG  - writes a decode scale-up after ~1 s, then a scale-down, holds in between.
+FAKE_PLANNER = r"""
+import json, sys, time
+path = sys.argv[1]
+def log(pool, cur, des, reason):
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"time": time.time(), "pool": pool, "current": cur, "desired": des,
+                             "reason": reason, "signals": {}}) + "\n")
+log("decode", 1, 1, "hold: warming up")
+time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 1.0)
+log("decode", 1, 2, "decode KV load 1.4 > 1.0")
+log("prefill", 1, 1, "hold: prefill queue empty")
+time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 2.0)
+log("decode", 2, 1, "idle for 15 s")
+while True:
+    time.sleep(1)
+"""
+
+
+def write_script(tmp: Path, name: str, text: str) -> Path:
+    path = tmp / name
+    path.write_text(text)
+    return path

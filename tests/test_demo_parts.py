@@ -1,0 +1,334 @@
+"""The demo's parts on their own: charts, signal parsing, verdict, live view, load driver, supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+import zlib
+from pathlib import Path
+
+import pytest
+from demo_support import FAKE_OPENAI_SERVER, write_script  # puts launch/ on sys.path
+
+# isort: split
+from demo_lib import charts, live_view, load, report, signals, stack, verdict
+from demo_lib.supervisor import Supervisor, pids_with_marker, tail_lines
+from dynamo.common.nats_server import free_port
+
+
+# ---- charts ---------------------------------------------------------------------------------------
+def _decode_png(data: bytes) -> tuple[int, int, bytes]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, size = 8, b"", (0, 0)
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
+        assert crc == zlib.crc32(kind + body)
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    return size[0], size[1], zlib.decompress(idat)
+
+
+def _chart() -> charts.Chart:
+    return charts.Chart(
+        "Replicas <&> test",
+        [
+            charts.Series("decode", [(0, 1), (10, 2), (30, 1)], step=True),
+            charts.Series("q", [(0, 0), (5, 40)]),
+        ],
+        markers=[charts.Marker(10, "decode 1->2", "#d62728")],
+        bands=[charts.Band(5, 20, "burst", "#fde8e8")],
+    )
+
+
+def test_png_is_valid_and_has_the_series_colours() -> None:
+    w, h, raw = _decode_png(charts.render_png(_chart()))
+    assert (w, h) == (760, 260)
+    assert len(raw) == h * (1 + 3 * w)
+    pixels = {raw[i : i + 3] for y in range(h) for i in range(y * (1 + 3 * w) + 1, (y + 1) * (1 + 3 * w), 3)}
+    assert bytes(charts._rgb(charts.PALETTE[0])) in pixels  # first series drawn
+    assert bytes(charts._rgb("#fde8e8")) in pixels  # band drawn
+
+
+def test_svg_is_well_formed_and_escapes_text() -> None:
+    svg = charts.render_svg(_chart())
+    root = ET.fromstring(svg)
+    assert root.tag.endswith("svg")
+    assert "Replicas &lt;&amp;&gt; test" in svg
+    assert svg.count("<polyline") == 2
+
+
+def test_nice_ceiling() -> None:
+    assert [charts.nice_ceiling(v) for v in (0, 0.7, 3, 11, 4000)] == [1.0, 1.0, 5.0, 20.0, 5000.0]
+
+
+# ---- signals --------------------------------------------------------------------------------------
+def test_parse_fpm_line_reads_pool_queues_and_kv_split(tmp_path: Path) -> None:
+    rec = {
+        "subject": "namespace.demo.component.backend.endpoint.generate.forward-pass-metrics",
+        "received_at": 100.5,
+        "worker_id": "42",
+        "dp_rank": 0,
+        "wall_time": 0.01,
+        "scheduled_requests": {"num_decode_requests": 3, "sum_decode_kv_tokens": 300},
+        "queued_requests": {
+            "num_decode_requests": 5,
+            "sum_decode_kv_tokens": 500,
+            "sum_decode_kv_transfer_tokens": 200,
+            "sum_decode_kv_ready_tokens": 300,
+        },
+    }
+    s = signals.parse_fpm_line(rec)
+    assert s is not None
+    assert (s.pool, s.worker, s.t, s.queued_decode_requests) == ("decode", "42", 100.5, 5)
+    assert (s.kv_transfer_tokens, s.kv_ready_tokens, s.scheduled_decode_kv_tokens) == (200, 300, 300)
+    nested = {
+        "component": "prefill",
+        "record": {"worker_id": "7", "queued_requests": {"sum_prefill_tokens": 9}},
+    }
+    p = signals.parse_fpm_line(nested, now=5.0)
+    assert p is not None and (p.pool, p.queued_prefill_tokens, p.kv_ready_tokens) == ("prefill", 9, None)
+    assert signals.parse_fpm_line({"component": "router"}) is None
+
+
+def test_jsonl_tail_handles_partial_lines_and_garbage(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    tail = signals.JsonlTail(path)
+    assert tail.read_new() == []  # missing file
+    path.write_text('{"a": 1}\nnot json\n{"b":')
+    assert tail.read_new() == [{"a": 1}]
+    with open(path, "a") as fh:
+        fh.write(" 2}\n")
+    assert tail.read_new() == [{"b": 2}]
+    assert tail.bad_lines == 1
+
+
+def test_parse_decision_aliases() -> None:
+    d = signals.parse_decision_line({"ts": "2026-01-01T00:00:00Z", "pool": "backend", "current_replicas": 1,
+                                     "desired_replicas": 2, "reason": "kv"})  # fmt: skip
+    assert d is not None and (d.pool, d.direction, d.is_action) == ("decode", 1, True)
+    assert d.t == 1767225600.0
+    assert signals.parse_decision_line({"pool": "decode", "current": 1}) is None
+
+
+# ---- verdict --------------------------------------------------------------------------------------
+def _d(t: float, pool: str, cur: int, des: int, reason: str = "r") -> signals.Decision:
+    return signals.Decision(t, pool, cur, des, reason)
+
+
+MIN = {"prefill": 1, "decode": 1}
+
+
+@pytest.mark.parametrize(
+    ("decisions", "passed", "wrong", "back"),
+    [
+        ([_d(5, "decode", 1, 1), _d(112, "decode", 1, 2), _d(250, "decode", 2, 1)], True, 0, True),
+        ([_d(112, "prefill", 1, 2), _d(250, "prefill", 2, 1)], False, 1, True),  # the seed bug
+        ([_d(112, "decode", 1, 2)], False, 0, False),  # never came back
+        ([_d(150, "decode", 1, 2), _d(160, "decode", 2, 1), _d(170, "decode", 1, 2), _d(260, "decode", 2, 1)],
+         False, 1, True),  # flapped down during the burst
+        ([], False, 0, True),  # never reacted
+    ],
+)  # fmt: skip
+def test_verdict_table(decisions: list[signals.Decision], passed: bool, wrong: int, back: bool) -> None:
+    v = verdict.judge(decisions, burst_start=100.0, burst_end=200.0, minimum=MIN)
+    assert (v.passed, len(v.wrong_pool_actions), v.returned_to_min) == (passed, wrong, back)
+    assert len(v.lines) == 3 and all(v.lines)
+
+
+def test_verdict_speed_and_text() -> None:
+    v = verdict.judge([_d(112.5, "decode", 1, 2), _d(230, "decode", 2, 1)], 100.0, 200.0, MIN)
+    assert v.decode_up_after_s == pytest.approx(12.5)
+    assert v.back_to_min_after_s == pytest.approx(30.0)
+    assert v.lines[0].startswith("Right pool: YES") and "12.5 s" in v.lines[1]
+    assert v.lines[2] == "Wrong-pool actions: none."
+
+
+# ---- live view and report -------------------------------------------------------------------------
+def _sample(t: float, pool: str, worker: str, **kw: float) -> signals.FpmSample:
+    base = dict(
+        wall_time=0.02, queued_prefill_tokens=0.0, queued_prefill_requests=0.0, queued_decode_requests=0.0,
+        queued_decode_kv_tokens=0.0, kv_transfer_tokens=None, kv_ready_tokens=None, kv_transfer_requests=None,
+        kv_ready_requests=None, scheduled_decode_requests=0.0, scheduled_decode_kv_tokens=0.0,
+        scheduled_prefill_tokens=0.0,
+    )  # fmt: skip
+    base.update(kw)
+    return signals.FpmSample(t=t, pool=pool, worker=worker, dp_rank=0, **base)  # type: ignore[arg-type]
+
+
+def test_live_view_shows_engines_replicas_and_decisions() -> None:
+    state = load.LoadState(phase="burst", started=time.time() - 10, total_s=20, in_flight=7, done=3)
+    engines = [_sample(time.time(), "decode", "1234567890abcdef1234", queued_decode_requests=5,
+                       kv_transfer_tokens=120, kv_ready_tokens=80)]  # fmt: skip
+    decisions = [
+        _d(time.time(), "decode", 1, 1, "hold"),
+        _d(time.time(), "decode", 1, 2, "decode KV load 1.4"),
+    ]
+    screen = live_view.render(state, engines, decisions, {"prefill": 1, "decode": 2}, t0=time.time() - 30)
+    assert "phase: burst" in screen and "in flight   7" in screen
+    assert "decode: 2" in screen and ">> " in screen and "decode KV load 1.4" in screen
+    assert "120" in screen and "80" in screen
+    assert "50.0%" in screen
+
+
+def test_report_is_self_contained_and_writes_pngs(tmp_path: Path) -> None:
+    t0 = 1000.0
+    samples = [_sample(t0 + i, "decode", "w1", queued_decode_requests=i % 7, kv_ready_tokens=10.0 * i,
+                       kv_transfer_tokens=5.0, scheduled_decode_kv_tokens=100.0) for i in range(60)]  # fmt: skip
+    samples += [_sample(t0 + i, "prefill", "p1", queued_prefill_tokens=3) for i in range(60)]
+    results = [
+        load.RequestResult("burst", t0 + i, True, 0.05 + i / 1000, [0.01, 0.02], 3, t0 + i + 1)
+        for i in range(30)
+    ]
+    decisions = [_d(t0 + 20, "decode", 1, 2, "kv > 1"), _d(t0 + 50, "decode", 2, 1, "idle")]
+    phases = [("warmup", t0, t0 + 10), ("burst", t0 + 10, t0 + 40), ("idle", t0 + 40, t0 + 60)]
+    v = verdict.judge(decisions, t0 + 10, t0 + 40, MIN)
+    data = report.ReportData(t0, samples, decisions, results, phases, v, MIN, {"agg": False}, ["a note"])
+    path = report.write_report(data, tmp_path / "report")
+    text = path.read_text()
+    assert "Verdict: PASS" in text and "a note" in text and text.count("<svg") == 5
+    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
+    assert "<td>decode</td><td>1 &rarr; 2</td>" in text
+    pngs = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
+    assert pngs == ["decode_kv.png", "decode_queue.png", "latency.png", "prefill_queue.png", "replicas.png"]
+    for p in (tmp_path / "report").glob("*.png"):
+        _decode_png(p.read_bytes())
+
+
+# ---- load driver against a fake streaming server --------------------------------------------------
+@pytest.fixture()
+def fake_openai(tmp_path: Path):
+    port = free_port()
+    script = write_script(tmp_path, "fake_openai.py", FAKE_OPENAI_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(port), "0.003"], start_new_session=True)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_load_driver_runs_phases_and_times_tokens(fake_openai: str) -> None:
+    phases = [load.Phase("warmup", 0.5, 2, max_tokens=5), load.Phase("burst", 0.8, 6, max_tokens=10),
+              load.Phase("idle", 0.3, 0)]  # fmt: skip
+    state = asyncio.run(load.run_load(fake_openai, "tiny", phases))
+    assert [p[0] for p in state.phase_times] == ["warmup", "burst", "idle"]
+    burst = [r for r in state.results if r.phase == "burst"]
+    assert burst and all(r.ok and r.tokens == 10 and len(r.itl_s) == 9 for r in burst)
+    assert all(r.ttft_s is not None and r.ttft_s > 0.002 for r in burst)
+    assert state.failed == 0 and state.in_flight == 0 and state.progress() == 1.0
+    summary = load.latency_summary(state.results)
+    assert summary["burst"]["requests"] == len(burst) and summary["all"]["itl_p50"] is not None
+
+
+def test_load_driver_records_http_errors(fake_openai: str) -> None:
+    state = asyncio.run(load.run_load(fake_openai, "no-such-model", [load.Phase("burst", 0.3, 1)]))
+    assert state.failed >= 1 and "HTTP 404" in state.last_error
+    assert not any(r.ok for r in state.results)
+
+
+def test_percentile() -> None:
+    assert load.percentile([], 50) is None
+    assert load.percentile([3, 1, 2], 50) == 2
+    assert load.percentile(list(range(101)), 99) == 99
+
+
+# ---- supervisor -----------------------------------------------------------------------------------
+GRANDPARENT = r"""
+import subprocess, sys, time
+# A child in its own session that ignores SIGTERM: only the marker scan can find and kill it.
+subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+                 start_new_session=True)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_supervisor_stops_groups_and_orphans_with_the_marker(tmp_path: Path) -> None:
+    run_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    sup = Supervisor(tmp_path, run_id)
+    script = write_script(tmp_path, "gp.py", GRANDPARENT)
+    m = sup.start("parent", [sys.executable, str(script)])
+    deadline = time.monotonic() + 10
+    while len(pids_with_marker(run_id)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids_with_marker(run_id)) == 2
+    assert sup.check() is None
+    killed = sup.stop_all(timeout=5)
+    assert len(killed) == 1  # the orphan in its own session, found by the marker
+    assert pids_with_marker(run_id) == []
+    assert m.proc.returncode is not None
+    assert "started" in (tmp_path / "logs" / "parent.log").read_text()
+
+
+def test_supervisor_reports_a_failed_component_with_its_log_tail(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, f"test-{os.getpid()}-{time.monotonic_ns()}")
+    with sup:
+        sup.start("ok", [sys.executable, "-c", "import time; time.sleep(30)"])
+        sup.start(
+            "bad",
+            [sys.executable, "-c", "import sys; print('line1'); print('boom: port taken'); sys.exit(3)"],
+        )
+        deadline = time.monotonic() + 10
+        failure = None
+        while failure is None and time.monotonic() < deadline:
+            failure = sup.check()
+            time.sleep(0.05)
+        assert failure is not None and failure.name == "bad" and failure.returncode == 3
+        assert "boom: port taken" in failure.tail and "bad" in failure.describe()
+    assert all(m.exited() is not None for m in sup.procs)
+
+
+def test_tail_lines(tmp_path: Path) -> None:
+    p = tmp_path / "x.log"
+    p.write_text("\n".join(str(i) for i in range(100)))
+    assert tail_lines(p, 3) == "97\n98\n99"
+    assert tail_lines(tmp_path / "missing.log") == ""
+
+
+# ---- stack commands -------------------------------------------------------------------------------
+def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
+    cfg = stack.DemoConfig(run_dir=tmp_path, model_dir=tmp_path / "m", discovery_dir=tmp_path / "d",
+                           nats_port=4999, http_port=8999)  # fmt: skip
+    dec = stack.worker_argv(cfg, "decode")
+    assert dec[1:3] == ["-m", "dynamo.vllm"] and dec[dec.index("--disaggregation-mode") + 1] == "decode"
+    assert json.loads(dec[dec.index("--kv-transfer-config") + 1])["kv_connector"] == "NixlConnector"
+    assert "--kv-transfer-config" not in stack.worker_argv(cfg, "agg")
+    conf = stack.planner_config(cfg)
+    assert conf["connector"] == "local" and conf["local"]["initial_decode"] == 1  # type: ignore[index]
+    assert "free_port_exec.py VLLM_NIXL_SIDE_CHANNEL_PORT --" in conf["local"]["decode_command"]  # type: ignore[index]
+    env = stack.stack_env(cfg)
+    assert env["NATS_SERVER"] == "nats://127.0.0.1:4999" and env["DYN_FILE_KV"] == str(tmp_path / "d")
+    phases = stack.load_phases(240, 1.0)
+    assert [p.name for p in phases] == ["warmup", "burst", "idle"]
+    assert sum(p.duration_s for p in phases) == pytest.approx(240)
+    burst = phases[1]
+    assert burst.concurrency == 16 and burst.max_tokens > 10 * burst.prompt_words  # decode-heavy
+
+
+def test_free_port_exec_sets_a_port_and_execs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(stack.HERE / "free_port_exec.py"), "MY_PORT", "--", sys.executable, "-c",
+         "import os; print(os.environ['MY_PORT'])"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert 1024 < int(out.stdout) < 65536
