@@ -1,0 +1,318 @@
+"""Planner configuration: typed, defaulted, validated once at start with errors that name the bad key.
+
+Every option lives here with its default; ``docs/planner.md`` lists them. A config is a nested mapping
+(from a file, inline JSON/YAML, or CLI flags layered on top) turned into frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, get_args, get_type_hints
+
+Target = Literal["throughput", "latency", "load", "sla"]
+ConnectorName = Literal["virtual", "local", "kubernetes"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message starts with the dotted key."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Per-engine load signals: scale up when any engine is above ``*_up``, down when all are below ``*_down``."""
+
+    prefill_up: float = 1.0
+    prefill_down: float = 0.1
+    decode_up: float = 1.0
+    decode_down: float = 0.6
+
+
+# Upstream's static presets; "latency" reacts earlier and keeps more headroom.
+PRESETS: dict[str, Thresholds] = {
+    "throughput": Thresholds(1.0, 0.1, 1.0, 0.6),
+    "latency": Thresholds(0.5, 0.05, 0.8, 0.4),
+}
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Replica limits of one pool and what one replica costs in GPUs."""
+
+    min_replicas: int = 1
+    max_replicas: int = 8
+    gpus_per_replica: int = 1
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """Fallback engine capacity, used only when a worker's Dynamo model card does not say."""
+
+    context_length: int | None = None
+    kv_tokens: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True)
+class SlaConfig:
+    """Targets for ``target: sla`` (milliseconds) and the regression's sample window."""
+
+    ttft_ms: float = 500.0
+    itl_ms: float = 50.0
+    # Scale down only if the consolidated load is predicted within this fraction of the SLA.
+    headroom: float = 0.8
+    # Timing samples kept per pool for the online regressions.
+    window: int = 512
+    # Fewer samples than this: the model is not trusted and the policy holds.
+    min_samples: int = 10
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """The ``local`` connector: worker processes started from command templates."""
+
+    prefill_command: str = ""
+    decode_command: str = ""
+    log_dir: str = "planner-logs"
+    stop_timeout_s: float = 30.0
+    # Processes already running at start (started by someone else) are not ours to stop.
+    initial_prefill: int = 0
+    initial_decode: int = 0
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    """The ``kubernetes`` connector: the DynamoGraphDeployment whose replica counts it patches."""
+
+    deployment: str = ""
+    k8s_namespace: str = "default"
+    prefill_service: str = "prefill"
+    decode_service: str = "decode"
+    api_group: str = "nvidia.com"
+    api_version: str = "v1beta1"
+    # Load the in-cluster service account, else the kubeconfig file (None = default location).
+    kubeconfig: str | None = None
+
+
+@dataclass(frozen=True)
+class VirtualConfig:
+    """The ``virtual`` connector (Dynamo's VirtualConnectorCoordinator, needs the runtime's etcd)."""
+
+    check_interval_s: int = 1
+    max_wait_time_s: int = 1800
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """All planner options; see docs/planner.md."""
+
+    namespace: str = "dynamo"
+    prefill_component: str = "prefill"
+    decode_component: str = "backend"
+    endpoint: str = "generate"
+    nats_url: str | None = None
+    # Seconds between decisions; at most one step per pool per interval.
+    interval_s: float = 5.0
+    target: Target = "throughput"
+    thresholds: Thresholds | None = None
+    sla: SlaConfig = field(default_factory=SlaConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    # GPUs for prefill + decode together (None = no budget); never exceeded, not even mid-rebalance.
+    gpu_budget: int | None = None
+    # Consolidation-aware scale-down: the load spread over N-1 engines must stay under up * this.
+    consolidation_headroom: float = 0.8
+    # A scale-down must have been wanted this long, without interruption, before it happens.
+    scale_down_window_s: float = 30.0
+    # A pool with no work at all for this long steps down to its minimum (one step per interval).
+    idle_window_s: float = 30.0
+    # An action not completed by then is abandoned: the planner accepts what is running and moves on.
+    action_timeout_s: float = 300.0
+    # A worker that published nothing for this long is dropped.
+    stale_after_s: float = 5.0
+    # Observed workers != replicas: hold this long, then decide with missing workers counted against change.
+    mismatch_grace_s: float = 30.0
+    # A fresh (or restarted) worker's timing records feed the latency model only after this long ...
+    warmup_s: float = 20.0
+    # ... and after this many timing records.
+    warmup_records: int = 5
+    # Weight of decode KV still in transfer when the worker is transfer-bound (see docs: the split rule).
+    transfer_bound_weight: float = 0.0
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    # Read capacity from Dynamo model cards (needs the runtime); off = configuration only.
+    use_model_cards: bool = True
+    connector: ConnectorName = "virtual"
+    dry_run: bool = False
+    local: LocalConfig = field(default_factory=LocalConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    virtual: VirtualConfig = field(default_factory=VirtualConfig)
+    decision_log: str | None = None
+    json_stdout: bool = False
+    metrics_port: int | None = None
+    tui: bool = False
+
+    def effective_thresholds(self) -> Thresholds:
+        if self.thresholds is not None:
+            return self.thresholds
+        return PRESETS.get(self.target, PRESETS["throughput"])
+
+    def pool(self, name: str) -> PoolConfig:
+        return self.prefill if name == "prefill" else self.decode
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check and convert one value against a (simple) type hint."""
+    args = get_args(tp)
+    origin = getattr(tp, "__origin__", None)
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, key + ".")
+    if args and type(None) in args:  # Optional
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover - programming error
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    for k in data:
+        if k not in names:
+            raise ConfigError(f"{prefix}{k}: unknown option (known: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _check(cfg: PlannerConfig) -> None:
+    def positive(key: str, v: float | int, allow_zero: bool = False) -> None:
+        if v < 0 or (v == 0 and not allow_zero):
+            raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+
+    positive("interval_s", cfg.interval_s)
+    for key in ("scale_down_window_s", "idle_window_s", "mismatch_grace_s", "warmup_s"):
+        positive(key, getattr(cfg, key), allow_zero=True)
+    positive("action_timeout_s", cfg.action_timeout_s)
+    positive("stale_after_s", cfg.stale_after_s)
+    positive("warmup_records", cfg.warmup_records, allow_zero=True)
+    if not 0 < cfg.consolidation_headroom <= 1:
+        raise ConfigError(f"consolidation_headroom: must be in (0, 1], got {cfg.consolidation_headroom}")
+    if not 0.0 <= cfg.transfer_bound_weight <= 1.0:
+        raise ConfigError(f"transfer_bound_weight: must be in [0, 1], got {cfg.transfer_bound_weight}")
+    for name in ("prefill", "decode"):
+        pool = cfg.pool(name)
+        positive(f"{name}.min_replicas", pool.min_replicas, allow_zero=True)
+        positive(f"{name}.gpus_per_replica", pool.gpus_per_replica, allow_zero=True)
+        if pool.max_replicas < pool.min_replicas:
+            raise ConfigError(
+                f"{name}.max_replicas: {pool.max_replicas} is below min_replicas {pool.min_replicas}"
+            )
+    if cfg.gpu_budget is not None:
+        need = cfg.prefill.min_replicas * cfg.prefill.gpus_per_replica
+        need += cfg.decode.min_replicas * cfg.decode.gpus_per_replica
+        if cfg.gpu_budget < need:
+            raise ConfigError(f"gpu_budget: {cfg.gpu_budget} cannot hold both pools' minimum ({need} GPUs)")
+    if cfg.target == "load" and cfg.thresholds is None:
+        raise ConfigError("thresholds: target 'load' needs user thresholds (prefill_up, prefill_down, ...)")
+    th = cfg.effective_thresholds()
+    for pool in ("prefill", "decode"):
+        up, down = getattr(th, f"{pool}_up"), getattr(th, f"{pool}_down")
+        if not 0 <= down < up:
+            raise ConfigError(f"thresholds.{pool}_down: must be >= 0 and below {pool}_up ({down} vs {up})")
+    for key in ("ttft_ms", "itl_ms"):
+        positive(f"sla.{key}", getattr(cfg.sla, key))
+    if not 0 < cfg.sla.headroom <= 1:
+        raise ConfigError(f"sla.headroom: must be in (0, 1], got {cfg.sla.headroom}")
+    if cfg.sla.window < 3:
+        raise ConfigError(f"sla.window: must be >= 3, got {cfg.sla.window}")
+    for key in ("context_length", "kv_tokens", "max_num_batched_tokens", "max_num_seqs"):
+        v = getattr(cfg.capacity, key)
+        if v is not None:
+            positive(f"capacity.{key}", v)
+    if cfg.connector == "kubernetes" and not cfg.kubernetes.deployment and not cfg.dry_run:
+        raise ConfigError("kubernetes.deployment: the DynamoGraphDeployment name is required")
+    if cfg.connector == "local" and not cfg.dry_run:
+        for name in ("prefill", "decode"):
+            if not getattr(cfg.local, f"{name}_command"):
+                raise ConfigError(f"local.{name}_command: a worker command template is required")
+    if cfg.metrics_port is not None and not 0 <= cfg.metrics_port < 65536:
+        raise ConfigError(f"metrics_port: {cfg.metrics_port} is not a port")
+
+
+def config_from_mapping(data: dict[str, Any]) -> PlannerConfig:
+    """Build and validate a config; raises :class:`ConfigError` naming the bad key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping, got {type(data).__name__}")
+    cfg = _build(PlannerConfig, data)
+    _check(cfg)
+    return cfg
+
+
+def load_config_text(text: str) -> dict[str, Any]:
+    """Parse inline JSON or YAML (YAML is a superset of JSON) into a mapping."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config: not valid JSON or YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_config_arg(arg: str | None) -> dict[str, Any]:
+    """``--config`` value: a file path, or inline JSON/YAML text."""
+    if not arg:
+        return {}
+    path = Path(arg)
+    if not arg.lstrip().startswith(("{", "[")) and "\n" not in arg and path.is_file():
+        return load_config_text(path.read_text())
+    if not arg.lstrip().startswith("{") and ":" not in arg:
+        raise ConfigError(f"config: {arg!r} is neither a readable file nor inline JSON/YAML")
+    return load_config_text(arg)
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``over`` into a copy of ``base`` (CLI flags over the config file)."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def with_overrides(cfg: PlannerConfig, **kwargs: Any) -> PlannerConfig:
+    return replace(cfg, **kwargs)

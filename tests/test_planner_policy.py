@@ -1,0 +1,387 @@
+"""The pure policy on a table of scenarios, plus a simulated cluster for the multi-step guardrails."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from dynamo.planner.config import ConfigError, config_from_mapping
+from dynamo.planner.observations import WorkerBook
+from dynamo.planner.policy import Decision, PolicyState, decide
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.planner_support import CAP, KV, config, heartbeat, obs, pool, rec
+
+# --------------------------------------------------------------------------------------------------
+# Single decisions.
+
+
+def test_decode_backlog_waiting_for_remote_kv_scales_decode_not_prefill() -> None:
+    """THE scenario: a disaggregated decode pool whose backlog sits in requests waiting for remote KV."""
+    cfg = config()
+    prefill = [rec("p0", s_prefill=1, s_prefill_tokens=200, q_prefill=1, q_prefill_tokens=300)]
+    # Upstream-style records (no transfer/ready split): 9,000 KV tokens waiting for remote KV.
+    decode = [rec("d0", s_decode=4, s_decode_kv=2500, q_decode=30, q_decode_kv=9000)]
+    d, _ = decide(obs(100.0, prefill, decode), PolicyState(), cfg)
+    assert (d.decode.action, d.decode.desired) == ("scale_up", 2), d.decode.reason
+    assert d.prefill.action == "hold" and d.prefill.desired == d.prefill.current == 1, d.prefill.reason
+
+
+def test_decode_backlog_ready_for_a_slot_scales_decode() -> None:
+    cfg = config()
+    decode = [
+        rec(
+            "d0",
+            s_decode=4,
+            s_decode_kv=6000,
+            q_decode=20,
+            q_decode_kv=6000,
+            transfer=(0, 0),
+            ready=(20, 6000),
+        )
+    ]
+    d, _ = decide(obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], decode), PolicyState(), cfg)
+    assert d.decode.action == "scale_up"
+    assert d.prefill.action == "hold"
+
+
+def test_slow_transfer_does_not_read_as_missing_decode_capacity() -> None:
+    cfg = config()
+    # Everything queued is still in transfer; nothing waits for a slot; the engine holds 30% of its KV.
+    decode = [
+        rec(
+            "d0",
+            s_decode=4,
+            s_decode_kv=3000,
+            q_decode=30,
+            q_decode_kv=9000,
+            transfer=(30, 9000),
+            ready=(0, 0),
+        )
+    ]
+    d, _ = decide(obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], decode), PolicyState(), cfg)
+    assert d.decode.action == "hold", d.decode.reason
+    assert d.decode.signals["transfer_bound_engines"] == 1
+    assert d.prefill.action == "hold"
+    # Same backlog but one request already waits for a slot: decode really is short.
+    decode = [
+        rec(
+            "d0",
+            s_decode=4,
+            s_decode_kv=3000,
+            q_decode=31,
+            q_decode_kv=9100,
+            transfer=(30, 9000),
+            ready=(1, 100),
+        )
+    ]
+    d, _ = decide(obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], decode), PolicyState(), cfg)
+    assert d.decode.action == "scale_up"
+
+
+def test_prefill_backlog_scales_prefill_not_decode() -> None:
+    cfg = config()
+    prefill = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=1500)]
+    decode = [rec("d0", s_decode=4, s_decode_kv=3000)]
+    d, _ = decide(obs(0.0, prefill, decode), PolicyState(), cfg)
+    assert d.prefill.action == "scale_up" and d.prefill.desired == 2
+    assert d.decode.action == "hold"
+
+
+def test_capacity_unknown_holds_with_reason() -> None:
+    cfg = config(capacity={})
+    unknown = pool("decode", [rec("d0", s_decode=4, s_decode_kv=3000)], capacity=type(CAP)())
+    o = obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], [])
+    o = type(o)(
+        o.now, pool("prefill", [rec("p0", q_prefill=1, q_prefill_tokens=10)], capacity=type(CAP)()), unknown
+    )
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "hold" and "capacity unknown (kv_tokens)" in d.decode.reason
+    assert "capacity unknown (context_length)" in d.prefill.reason
+
+
+def test_replicas_not_publishing_hold_then_count_against_scale_down() -> None:
+    cfg = config()
+    low = [rec("d0", s_decode=1, s_decode_kv=100)]
+    state = PolicyState()
+    d, state = decide(obs(0.0, [heartbeat("p0")], low, decode_replicas=2), state, cfg)
+    assert d.decode.action == "hold" and "2 replicas but 1 workers publishing" in d.decode.reason
+    # After the grace: decides, but the silent replica counts as busy, so no scale-down ever.
+    for t in range(10, 100, 5):
+        d, state = decide(obs(float(t), [heartbeat("p0")], low, decode_replicas=2), state, cfg)
+        assert d.decode.action == "hold", d.decode.reason
+    assert "1 silent engines counted at 1" in d.decode.reason
+    # A scale-up is still allowed on what the present workers say.
+    high = [rec("d0", s_decode=10, s_decode_kv=12000)]
+    d, state = decide(obs(105.0, [heartbeat("p0")], high, decode_replicas=2), state, cfg)
+    assert d.decode.action == "scale_up" and d.decode.desired == 3
+
+
+def test_malformed_records_are_rejected_and_reported() -> None:
+    cfg = config()
+    book = WorkerBook(cfg)
+    assert book.ingest("decode", rec(""), 0.0) == "rejected: empty worker_id"
+    assert book.ingest("decode", rec("d0", q_decode_kv=-5), 0.0).startswith("rejected: negative")
+    assert book.ingest("decode", rec("d0", wall=float("nan")), 0.0).startswith("rejected: wall_time")
+    bad_split = rec("d0", q_decode=1, q_decode_kv=10, transfer=(1, 5), ready=(1, 5))
+    assert book.ingest("decode", bad_split, 0.0).startswith("rejected: decode transfer + ready")
+    assert book.ingest("decode", rec("d0", s_decode=1, s_decode_kv=100), 0.0) == "accepted"
+    o = book.observe(0.5)
+    assert o.decode.rejected == 4 and o.decode.workers == 1
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.signals["rejected_records"] == 4
+    assert book.observe(0.6).decode.rejected == 0  # counted once
+
+
+def test_stale_worker_is_dropped_and_restart_recognised() -> None:
+    cfg = config(stale_after_s=5.0, warmup_s=1.0, warmup_records=2)
+    book = WorkerBook(cfg)
+    for i in range(1, 6):
+        book.ingest("decode", rec("d0", counter=i, s_decode=2, s_decode_kv=100 * i), float(i))
+    assert book.observe(5.5).decode.engines[0].warm
+    assert book.ingest("decode", rec("d0", counter=1, s_decode=2, s_decode_kv=50), 6.0) == "restart"
+    eng = book.observe(6.1).decode.engines[0]
+    assert not eng.warm and book.stats.restarts == 1
+    assert book.observe(11.5).decode.workers == 0  # silent for more than stale_after_s
+    assert book.stats.dropped_stale == 1
+
+
+def test_heartbeats_and_queue_snapshots_are_not_timing_samples_and_cold_workers_do_not_train() -> None:
+    cfg = config(warmup_s=10.0, warmup_records=3)
+    book = WorkerBook(cfg)
+    # Cold-start records of a fresh worker (slow first passes) must not reach the model.
+    for i in range(1, 4):
+        assert (
+            book.ingest("decode", rec("d0", counter=i, wall=5.0, s_decode=1, s_decode_kv=10), float(i))
+            == "accepted"
+        )
+    assert len(book.models.decode) == 0
+    assert book.ingest("decode", heartbeat("d0", 4), 12.0) == "heartbeat"
+    snapshot = rec("d0", counter=5, wall=0.0, q_decode=3, q_decode_kv=300)
+    assert book.ingest("decode", snapshot, 12.5) == "snapshot"
+    assert len(book.models.decode) == 0
+    book.ingest("decode", rec("d0", counter=6, wall=0.02, s_decode=1, s_decode_kv=10), 13.0)
+    assert len(book.models.decode) == 1
+
+
+def test_capacity_from_model_card_wins_over_config() -> None:
+    cfg = config(capacity={"context_length": 100, "kv_tokens": 100, "max_num_seqs": 8})
+    book = WorkerBook(cfg)
+    book.set_card_capacity("decode", "d0", type(CAP)(context_length=4096, kv_tokens=65536, source="card"))
+    c = book.capacity_for("decode", "d0")
+    assert (c.kv_tokens, c.context_length, c.max_num_seqs, c.source) == (65536, 4096, 8, "card")
+    assert book.capacity_for("decode", "d1").kv_tokens == 100
+
+
+def test_sla_target_uses_online_regression() -> None:
+    cfg = config(
+        target="sla", sla={"itl_ms": 30.0, "ttft_ms": 1000.0, "min_samples": 5}, warmup_s=0, warmup_records=0
+    )
+    book = WorkerBook(cfg)
+    # wall = 5 ms + 0.002 ms per KV token.
+    for i in range(1, 40):
+        kv = 500 * i
+        book.ingest(
+            "decode",
+            rec("d0", counter=i, wall=0.005 + kv * 2e-6, s_decode=1 + i % 7, s_decode_kv=kv),
+            i * 0.1,
+        )
+    book.ingest("decode", rec("d0", counter=40, wall=0.037, s_decode=20, s_decode_kv=16000), 4.0)  # ITL 37 ms
+    book.ingest("prefill", heartbeat("p0"), 4.0)
+    d, _ = decide(book.observe(4.1), PolicyState(), cfg)
+    assert d.decode.action == "scale_up", d.decode.reason
+    assert d.decode.signals["samples"] >= 39
+    assert d.decode.signals["itl_est_s"]["max"] == pytest.approx(0.005 + 16000 * 2e-6, rel=0.05)
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^decode\.max_replicas"):
+        config_from_mapping({"decode": {"min_replicas": 3, "max_replicas": 2}})
+    with pytest.raises(ConfigError, match=r"^prefill\.maxreplicas: unknown option"):
+        config_from_mapping({"prefill": {"maxreplicas": 2}})
+    with pytest.raises(ConfigError, match=r"^interval_s: expected a number"):
+        config_from_mapping({"interval_s": "fast"})
+    with pytest.raises(ConfigError, match=r"^target: 'fast' is not one of"):
+        config_from_mapping({"target": "fast"})
+    with pytest.raises(ConfigError, match=r"^gpu_budget"):
+        config_from_mapping({"gpu_budget": 1})
+    with pytest.raises(ConfigError, match=r"^thresholds: target 'load'"):
+        config_from_mapping({"target": "load"})
+    with pytest.raises(ConfigError, match=r"^thresholds\.decode_down"):
+        config_from_mapping({"target": "load", "thresholds": {"decode_up": 0.5, "decode_down": 0.7}})
+
+
+def test_policy_is_pure_and_fast() -> None:
+    cfg = config()
+    o = obs(
+        1.0,
+        [rec(f"p{i}", q_prefill_tokens=100) for i in range(1000)],
+        [rec(f"d{i}", s_decode_kv=5000) for i in range(1000)],
+    )
+    a = decide(o, PolicyState(), cfg)
+    assert a == decide(o, PolicyState(), cfg)
+    t = time.perf_counter()
+    for _ in range(10):
+        decide(o, PolicyState(), cfg)
+    assert (time.perf_counter() - t) / 10 < 0.010
+
+
+# --------------------------------------------------------------------------------------------------
+# A simulated cluster: the connector enacts a decision after ``delay`` ticks; a scale-down drains
+# (keeps its GPUs) for ``delay`` ticks. Loads are functions of (tick, pool) -> total demand.
+
+
+@dataclass
+class Sim:
+    cfg: object
+    prefill: int
+    decode: int
+    delay: int = 1
+    never_ready: set[str] = field(default_factory=set)
+    t: float = 0.0
+    state: PolicyState = field(default_factory=PolicyState)
+    pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # pool -> (target, ticks left)
+    history: list[Decision] = field(default_factory=list)
+    max_gpus: int = 0
+
+    def running(self, name: str) -> int:
+        return getattr(self, name)
+
+    def records(self, name: str, demand: float) -> list:
+        n = self.running(name)
+        if n == 0:
+            return []
+        share = demand / n
+        if name == "prefill":
+            return [
+                rec(f"p{i}", q_prefill=1 if share else 0, q_prefill_tokens=int(share * 1000))
+                for i in range(n)
+            ]
+        return [rec(f"d{i}", s_decode=1 if share else 0, s_decode_kv=int(share * KV)) for i in range(n)]
+
+    def tick(self, prefill_demand: float, decode_demand: float) -> Decision:
+        o = obs(
+            self.t,
+            self.records("prefill", prefill_demand),
+            self.records("decode", decode_demand),
+            settled=not self.pending,
+        )
+        d, self.state = decide(o, self.state, self.cfg)
+        self.history.append(d)
+        for name in ("prefill", "decode"):
+            pd = d.pool(name)
+            if pd.desired != pd.current:
+                self.pending[name] = (pd.desired, self.delay)
+        # GPUs held: running + starting (pending up) ; draining ones are still in ``running``.
+        gpus = 0
+        for name in ("prefill", "decode"):
+            n = self.running(name)
+            if name in self.pending:
+                n = max(n, self.pending[name][0])
+            gpus += n * self.cfg.pool(name).gpus_per_replica
+        self.max_gpus = max(self.max_gpus, gpus)
+        for name, (target, left) in list(self.pending.items()):
+            if left <= 0:
+                if not (name in self.never_ready and target > self.running(name)):
+                    setattr(self, name, target)
+                del self.pending[name]
+            else:
+                self.pending[name] = (target, left - 1)
+        self.t += self.cfg.interval_s
+        return d
+
+
+def run(sim: Sim, ticks: int, load: Callable[[int], tuple[float, float]]) -> Sim:
+    for i in range(ticks):
+        sim.tick(*load(i))
+    return sim
+
+
+def test_zero_traffic_returns_both_pools_to_minimum() -> None:
+    sim = run(Sim(config(), prefill=4, decode=4), 40, lambda i: (0.0, 0.0))
+    assert (sim.prefill, sim.decode) == (1, 1)
+    assert all(d.prefill.desired >= 1 and d.decode.desired >= 1 for d in sim.history)
+    # One step per pool per interval.
+    assert all(abs(d.decode.desired - d.decode.current) <= 1 for d in sim.history)
+
+
+def test_oscillation_bait_two_to_one() -> None:
+    """Two decode engines at 0.55 each: below the 0.6 down threshold, but one engine would be at 1.1."""
+    sim = run(Sim(config(), prefill=1, decode=2), 40, lambda i: (0.05, 1.1))
+    assert sim.decode == 2
+    assert all(d.decode.action == "hold" for d in sim.history), [d.decode.reason for d in sim.history]
+    assert "would be 1.10" in sim.history[-1].decode.reason
+
+
+def test_scale_down_needs_a_sustained_window() -> None:
+    cfg = config(scale_down_window_s=20.0)
+    # Demand dips for 3 ticks (15 s) then returns: no scale-down.
+    load = [(0.05, 0.4)] * 3 + [(0.05, 1.4)] * 2 + [(0.05, 0.4)] * 3 + [(0.05, 1.4)]
+    sim = run(Sim(cfg, prefill=1, decode=2), len(load), lambda i: load[i])
+    assert sim.decode == 2 and all(d.decode.action == "hold" for d in sim.history)
+    sim = run(Sim(cfg, prefill=1, decode=2), 8, lambda i: (0.05, 0.4))
+    assert sim.decode == 1
+
+
+def test_replica_that_never_becomes_ready_is_abandoned() -> None:
+    cfg = config(action_timeout_s=30.0)
+    sim = Sim(cfg, prefill=1, decode=1, never_ready={"decode"})
+    first = sim.tick(0.05, 1.5)
+    assert first.decode.action == "scale_up"
+    later = [sim.tick(0.05, 1.5).decode for _ in range(10)]
+    assert later[0].reason.startswith("waiting for action 1->2")
+    gave_up = next(i for i, d in enumerate(later) if "abandoning it and asking for 1" in d.reason)
+    assert gave_up == 5  # started at t=0, 30 s timeout, 5 s per interval: gives up at t=30
+    # It is not stuck: it tries again afterwards.
+    assert later[gave_up + 1].action == "scale_up"
+    assert sim.decode == 1
+
+
+def test_budget_limited_rebalance_never_exceeds_budget() -> None:
+    cfg = config(
+        gpu_budget=4,
+        prefill={"min_replicas": 1, "max_replicas": 4},
+        decode={"min_replicas": 1, "max_replicas": 4},
+    )
+    sim = Sim(cfg, prefill=2, decode=2, delay=2)
+    d = sim.tick(0.1, 3.0)  # prefill nearly idle, decode overloaded
+    assert d.decode.action == "hold" and "rebalancing from prefill" in d.decode.reason
+    assert d.prefill.action == "scale_down" and d.prefill.reason.startswith("rebalance")
+    run(sim, 12, lambda i: (0.1, 3.0))
+    assert (sim.prefill, sim.decode) == (1, 3)
+    assert sim.max_gpus <= 4
+
+
+def test_budget_blocks_when_other_pool_cannot_give() -> None:
+    cfg = config(gpu_budget=4)
+    sim = run(Sim(cfg, prefill=2, decode=2), 6, lambda i: (1.5, 3.0))
+    assert (sim.prefill, sim.decode) == (2, 2) and sim.max_gpus <= 4
+    assert (
+        "cannot give a replica" in sim.history[-1].decode.reason
+        or "cannot give" in sim.history[-1].prefill.reason
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.tuples(st.floats(0, 6), st.floats(0, 6)), min_size=5, max_size=40),
+    budget=st.integers(2, 8),
+    p0=st.integers(1, 4),
+    d0=st.integers(1, 4),
+    delay=st.integers(0, 3),
+)
+def test_random_traffic_respects_bounds_and_budget(
+    loads: list[tuple[float, float]], budget: int, p0: int, d0: int, delay: int
+) -> None:
+    if p0 + d0 > budget:
+        budget = p0 + d0
+    cfg = config(gpu_budget=budget)
+    sim = run(Sim(cfg, prefill=p0, decode=d0, delay=delay), len(loads), lambda i: loads[i])
+    assert sim.max_gpus <= budget
+    for d in sim.history:
+        for pd in (d.prefill, d.decode):
+            assert 1 <= pd.desired <= 4
+            assert abs(pd.desired - pd.current) <= 1
