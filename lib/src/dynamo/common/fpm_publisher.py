@@ -43,7 +43,12 @@ from dynamo.common.fpm_subjects import (
     encode_envelope,
     fpm_subject,
 )
-from dynamo.common.nats_options import nats_connect_options_from_env, nats_servers, nats_url_from_env
+from dynamo.common.nats_options import (
+    nats_connect_options_from_env,
+    nats_servers,
+    nats_url_from_env,
+    redact_url,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +364,7 @@ class _Connection:
                     **options,
                 )
             except Exception as exc:
-                owner._last_error = f"connect to {owner.nats_url} failed: {exc!r}"[:300]
+                owner._last_error = f"connect to {redact_url(owner.nats_url)} failed: {exc!r}"[:300]
                 await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(BACKOFF_MAX, backoff * 2)
                 continue

@@ -23,7 +23,12 @@ from typing import Any, NamedTuple
 import msgspec
 from dynamo.common.forward_pass_metrics import FPM_VERSION, ForwardPassMetrics
 from dynamo.common.fpm_subjects import FPM_TOPIC, decode_envelope, fpm_subscription, parse_fpm_subject
-from dynamo.common.nats_options import nats_connect_options_from_env, nats_servers, nats_url_from_env
+from dynamo.common.nats_options import (
+    nats_connect_options_from_env,
+    nats_servers,
+    nats_url_from_env,
+    redact_url,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +286,9 @@ class FpmTracker:
                 await nc.close()
             except Exception:
                 logger.debug("closing the failed NATS client", exc_info=True)
-            raise ConnectionError(f"cannot reach NATS at {url} within {timeout:g} s ({exc!r})") from exc
+            raise ConnectionError(
+                f"cannot reach NATS at {redact_url(url)} within {timeout:g} s ({exc!r})"
+            ) from exc
 
         async def on_msg(msg: Any) -> None:
             self.handle_message(msg.subject, msg.data)

@@ -76,3 +76,14 @@ def nats_connect_options_from_env(env: Mapping[str, str] | None = None) -> dict[
     if tls is not None:
         opts["tls"] = tls
     return opts
+
+
+def redact_url(url: str) -> str:
+    """The URL list for messages and logs, with any ``user:password@`` replaced by ``***@``."""
+    out = []
+    for u in nats_servers(url):
+        scheme, sep, rest = u.rpartition("://")
+        if "@" in rest:
+            rest = "***@" + rest.rsplit("@", 1)[1]
+        out.append(f"{scheme}{sep}{rest}")
+    return ",".join(out)
