@@ -54,6 +54,8 @@ class CapacityConfig:
     kv_tokens: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # KV block size in tokens, when a card states total_kv_blocks but not the block size.
+    kv_block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,13 @@ class PlannerConfig:
     # Weight of decode KV still in transfer when the worker is transfer-bound (see docs: the split rule).
     transfer_bound_weight: float = 0.0
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
-    # Read capacity from Dynamo model cards (needs the runtime); off = configuration only.
+    # Read capacity from Dynamo model cards (needs the Dynamo runtime); off = configuration only.
     use_model_cards: bool = True
+    # Dynamo runtime used for model cards and the virtual connector: discovery backend ("etcd" or
+    # "file"; file discovery keeps its state in DYN_FILE_KV), request plane and event plane.
+    discovery_backend: str = "etcd"
+    request_plane: str = "tcp"
+    event_plane: str = "nats"
     connector: ConnectorName = "virtual"
     dry_run: bool = False
     local: LocalConfig = field(default_factory=LocalConfig)
@@ -250,7 +257,7 @@ def _check(cfg: PlannerConfig) -> None:
         raise ConfigError(f"sla.headroom: must be in (0, 1], got {cfg.sla.headroom}")
     if cfg.sla.window < 3:
         raise ConfigError(f"sla.window: must be >= 3, got {cfg.sla.window}")
-    for key in ("context_length", "kv_tokens", "max_num_batched_tokens", "max_num_seqs"):
+    for key in ("context_length", "kv_tokens", "max_num_batched_tokens", "max_num_seqs", "kv_block_size"):
         v = getattr(cfg.capacity, key)
         if v is not None:
             positive(f"capacity.{key}", v)

@@ -141,8 +141,8 @@ class WorkerBook:
             return "decode"
         return None
 
-    def ingest(self, pool: str, record: ForwardPassMetrics, now: float) -> str:
-        """Take one record; returns what happened ("accepted", "heartbeat", "snapshot", "restart" or "rejected: ...")."""
+    def ingest(self, pool: str, record: ForwardPassMetrics, now: float, *, restarted: bool = False) -> str:
+        """Take one record (``restarted``: the subscriber saw a new publisher); returns what happened ("accepted", "heartbeat", "snapshot", "restart" or "rejected: ...")."""
         problem = record_problem(record)
         if problem is not None:
             self.stats.rejected[problem] = self.stats.rejected.get(problem, 0) + 1
@@ -156,7 +156,7 @@ class WorkerBook:
             eng = engines[key] = _Engine(record, now, now)
         else:
             last = eng.record.counter_id
-            if record.counter_id < last:
+            if record.counter_id < last or restarted:
                 # A restarted publisher counts from zero again: a fresh engine, warm-up starts over.
                 eng.first_seen, eng.timing_records = now, 0
                 eng.restarts += 1

@@ -1,0 +1,299 @@
+"""``python -m dynamo.planner``: scale prefill and decode pools from the FPM streams.
+
+    python -m dynamo.planner [run] --namespace NS --connector virtual|local|kubernetes [options]
+    python -m dynamo.planner replay FILE.jsonl [--config ...] [--json]
+    python -m dynamo.planner config [--config ...]        # print the validated effective config
+
+Exit codes: 0 ok, 2 bad configuration or arguments, 3 a service (NATS, etcd, Kubernetes) unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+from urllib.parse import urlparse
+
+from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, merge
+
+logger = logging.getLogger("dynamo.planner")
+
+EXIT_OK, EXIT_CONFIG, EXIT_SERVICE = 0, 2, 3
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="config file (YAML/JSON) or inline JSON/YAML text")
+    p.add_argument("--namespace", help="Dynamo namespace (default: dynamo)")
+    p.add_argument("--interval", type=float, dest="interval_s", help="seconds between decisions (default: 5)")
+    p.add_argument(
+        "--target",
+        choices=["throughput", "latency", "load", "sla"],
+        help="scaling target (default: throughput)",
+    )
+    p.add_argument("--gpu-budget", type=int, help="GPUs for both pools together (default: none)")
+    p.add_argument(
+        "--json", action="store_true", dest="json_stdout", help="decisions as JSON lines on stdout"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dynamo.planner", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="observe, decide and act (the default command)")
+    _common(run)
+    run.add_argument(
+        "--connector", choices=["virtual", "local", "kubernetes"], help="how to act (default: virtual)"
+    )
+    run.add_argument("--dry-run", action="store_true", default=None, help="decide and log, never act")
+    run.add_argument("--decision-log", help="append decisions as JSON lines to this file")
+    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    run.add_argument("--nats-url", help="NATS server (default: env NATS_SERVER, else nats://localhost:4222)")
+    run.add_argument(
+        "--tui",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="live summary on stderr (default: on a terminal)",
+    )
+    run.add_argument("--prefill-command", help="local connector: prefill worker command template")
+    run.add_argument("--decode-command", help="local connector: decode worker command template")
+    run.add_argument("--log-dir", help="local connector: folder for worker logs (default: planner-logs)")
+    run.add_argument("--k8s-deployment", help="kubernetes connector: DynamoGraphDeployment name")
+    run.add_argument("--k8s-namespace", help="kubernetes connector: Kubernetes namespace (default: default)")
+    run.add_argument("--max-ticks", type=int, help="stop after this many decisions (tests, scripted runs)")
+    run.add_argument(
+        "--log-level",
+        default=os.environ.get("DYN_LOG", "info"),
+        help="logging level (env DYN_LOG, default info)",
+    )
+    rp = sub.add_parser("replay", help="recorded FPM JSON lines -> decisions and a timeline")
+    rp.add_argument("file", help="JSON lines of recv_forward_pass_metrics --json ('-' = stdin)")
+    rp.add_argument(
+        "--step", type=float, default=0.1, help="seconds between lines without a time stamp (default: 0.1)"
+    )
+    _common(rp)
+    cp = sub.add_parser("config", help="print the validated effective configuration as JSON")
+    _common(cp)
+    return parser
+
+
+def effective_config(args: argparse.Namespace) -> PlannerConfig:
+    data = load_config_arg(getattr(args, "config", None))
+    over: dict[str, Any] = {}
+    for key in (
+        "namespace",
+        "interval_s",
+        "target",
+        "gpu_budget",
+        "connector",
+        "dry_run",
+        "decision_log",
+        "metrics_port",
+        "nats_url",
+        "tui",
+    ):
+        v = getattr(args, key, None)
+        if v is not None:
+            over[key] = v
+    if getattr(args, "json_stdout", False):
+        over["json_stdout"] = True
+    local = {
+        k: getattr(args, a)
+        for k, a in (
+            ("prefill_command", "prefill_command"),
+            ("decode_command", "decode_command"),
+            ("log_dir", "log_dir"),
+        )
+        if getattr(args, a, None)
+    }
+    if local:
+        over["local"] = local
+    k8s = {
+        k: getattr(args, a)
+        for k, a in (("deployment", "k8s_deployment"), ("k8s_namespace", "k8s_namespace"))
+        if getattr(args, a, None)
+    }
+    if k8s:
+        over["kubernetes"] = k8s
+    data = merge(data, over)
+    if "tui" not in data and args.command in (None, "run"):
+        data["tui"] = sys.stderr.isatty() and not data.get("json_stdout", False)
+    return config_from_mapping(data)
+
+
+def _reachable(url: str, default_port: int, timeout: float = 2.0) -> bool:
+    for one in url.split(","):
+        u = urlparse(one.strip() if "://" in one else "x://" + one.strip())
+        try:
+            with socket.create_connection((u.hostname or "localhost", u.port or default_port), timeout):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def make_runtime(cfg: PlannerConfig, loop: asyncio.AbstractEventLoop) -> Any:
+    """The Dynamo runtime, or a ConnectionError *before* it would block for 120 s on a dead service."""
+    if cfg.discovery_backend == "etcd":
+        etcd = os.environ.get("ETCD_ENDPOINTS", "http://localhost:2379")
+        if not _reachable(etcd, 2379):
+            raise ConnectionError(
+                f"etcd not reachable at {etcd} (set ETCD_ENDPOINTS, or discovery_backend: file)"
+            )
+    if cfg.event_plane == "nats":
+        nats = os.environ.get("NATS_SERVER", "nats://localhost:4222")
+        if not _reachable(nats, 4222):
+            raise ConnectionError(f"NATS not reachable at {nats} (set NATS_SERVER or --nats-url)")
+    from dynamo.runtime import DistributedRuntime
+
+    return DistributedRuntime(loop, cfg.discovery_backend, cfg.request_plane, event_plane=cfg.event_plane)
+
+
+async def build_connector(cfg: PlannerConfig, runtime: Any) -> Any:
+    from .connector_base import DryRunConnector
+
+    if cfg.dry_run:
+        return DryRunConnector()
+    if cfg.connector == "virtual":
+        from .connector_virtual import VirtualConnector
+
+        return VirtualConnector(
+            runtime,
+            cfg.namespace,
+            check_interval_s=cfg.virtual.check_interval_s,
+            max_wait_time_s=cfg.virtual.max_wait_time_s,
+        )
+    if cfg.connector == "local":
+        from .connector_local import LocalConnector
+
+        lc = cfg.local
+        return LocalConnector(
+            prefill_command=lc.prefill_command,
+            decode_command=lc.decode_command,
+            log_dir=lc.log_dir,
+            namespace=cfg.namespace,
+            stop_timeout_s=lc.stop_timeout_s,
+            initial_prefill=lc.initial_prefill,
+            initial_decode=lc.initial_decode,
+        )
+    from .connector_kubernetes import KubernetesConnector
+
+    return KubernetesConnector(cfg.kubernetes)
+
+
+async def run_planner(
+    cfg: PlannerConfig, *, max_ticks: int | None = None, stop: asyncio.Event | None = None
+) -> int:
+    from dynamo.common.fpm_tracker import FpmTracker
+
+    from .decision_log import DecisionLog
+    from .loop import Planner
+    from .metrics import PlannerMetrics
+
+    if cfg.nats_url:
+        os.environ["NATS_SERVER"] = cfg.nats_url
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    needs_runtime = cfg.connector == "virtual" and not cfg.dry_run
+    runtime = None
+    if needs_runtime or cfg.use_model_cards:
+        try:
+            runtime = make_runtime(cfg, loop)
+        except ConnectionError as exc:
+            if needs_runtime:
+                print(f"dynamo.planner: error: {exc}", file=sys.stderr)
+                return EXIT_SERVICE
+            logger.warning("model cards off: %s; capacity comes from configuration", exc)
+    cards: dict[str, Any] = {}
+    if runtime is not None and cfg.use_model_cards:
+        from .model_cards import ModelCardSource
+
+        for pool, comp in (("prefill", cfg.prefill_component), ("decode", cfg.decode_component)):
+            try:
+                cards[pool] = ModelCardSource(runtime, cfg.namespace, comp, cfg.endpoint)
+            except Exception as exc:
+                logger.warning("model cards of %s unavailable: %r", comp, exc)
+    connector = await build_connector(cfg, runtime)
+    try:
+        await connector.start()
+    except Exception as exc:
+        print(f"dynamo.planner: error: {cfg.connector} connector: {exc}", file=sys.stderr)
+        return EXIT_SERVICE
+    metrics = PlannerMetrics()
+    if cfg.metrics_port is not None:
+        metrics.serve(cfg.metrics_port)
+    log = DecisionLog(cfg.decision_log, stdout=cfg.json_stdout)
+    planner = Planner(cfg, connector, log=log, metrics=metrics, cards=cards)
+    tracker = FpmTracker(
+        cfg.namespace, endpoint=cfg.endpoint, nats_url=cfg.nats_url, stale_after=cfg.stale_after_s
+    )
+    tracker.add_listener(planner.on_record)
+    try:
+        try:
+            await tracker.start()
+        except ConnectionError as exc:
+            print(f"dynamo.planner: error: {exc}", file=sys.stderr)
+            return EXIT_SERVICE
+        logger.info(
+            "planner on namespace %s, connector %s%s",
+            cfg.namespace,
+            connector.name,
+            " (dry run)" if cfg.dry_run else "",
+        )
+        await planner.run(stop, max_ticks=max_ticks)
+    finally:
+        await tracker.stop()
+        await connector.close()
+        for source in cards.values():
+            source.close()
+        log.close()
+        if runtime is not None:
+            runtime.shutdown()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("run", "replay", "config", "-h", "--help"):
+        argv.insert(0, "run")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = effective_config(args)
+    except ConfigError as exc:
+        print(f"dynamo.planner: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.command == "config":
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return EXIT_OK
+    if args.command == "replay":
+        from .replay import run_replay
+
+        try:
+            stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            print(f"dynamo.planner: error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        with stream:
+            run_replay(stream, cfg, sys.stdout, as_json=cfg.json_stdout, step=args.step)
+        return EXIT_OK
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(run_planner(cfg, max_ticks=args.max_ticks))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""What every connector offers the planner loop. Connectors act; they never decide.
+
+``status()`` reports what the deployment runs per pool (``None`` = the connector cannot tell; the
+loop then uses the workers seen publishing) and whether the last action is done (``settled``).
+``apply()`` asks for replica counts (``None`` = leave that pool alone) and returns without waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorStatus:
+    prefill: int | None = None
+    decode: int | None = None
+    settled: bool = True
+    detail: str = ""
+
+
+class Connector(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def status(self) -> ConnectorStatus: ...
+
+    async def apply(self, prefill: int | None, decode: int | None) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class DryRunConnector:
+    """``--dry-run``: decides and logs, never acts. Reports nothing, so replicas = workers seen."""
+
+    name = "dry-run"
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[int | None, int | None]] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def status(self) -> ConnectorStatus:
+        return ConnectorStatus(detail="dry run")
+
+    async def apply(self, prefill: int | None, decode: int | None) -> None:
+        self.requests.append((prefill, decode))
+
+    async def close(self) -> None:
+        return None

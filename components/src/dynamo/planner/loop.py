@@ -1,0 +1,161 @@
+"""The planner loop: observe (FPM tracker -> worker book) -> decide (pure policy) -> act (connector).
+
+One tick per ``interval_s``. Every decision goes to the decision log and the metrics; the connector is
+called only when a pool gets a new target (both pools' targets are sent, so external orchestrators
+always see the full picture). A failed connector call clears that pool's in-flight state, so the
+policy retries at the next interval instead of waiting for an action that never started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from .config import PlannerConfig
+from .connector_base import Connector, ConnectorStatus
+from .decision_log import DecisionLog, lines
+from .metrics import PlannerMetrics
+from .observations import WorkerBook
+from .policy import Decision, PolicyState, decide
+from .tui import CLEAR, render
+
+logger = logging.getLogger(__name__)
+
+
+class Planner:
+    def __init__(
+        self,
+        cfg: PlannerConfig,
+        connector: Connector,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        log: DecisionLog | None = None,
+        metrics: PlannerMetrics | None = None,
+        cards: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.connector = connector
+        self.clock = clock
+        self.wall = wall
+        self.log = log
+        self.metrics = metrics
+        self.cards = cards or {}
+        self.book = WorkerBook(cfg)
+        self.state = PolicyState()
+        self.ticks = 0
+        self.last: Decision | None = None
+        self.last_status = ConnectorStatus()
+        self.commands: list[tuple[float, int, int]] = []  # (clock, prefill, decode) sent
+        self._restarts: dict[Any, int] = {}
+        self._listeners: list[Callable[[Decision], None]] = []
+
+    # ------------------------------------------------------------------ observe
+    def on_record(self, worker: Any, subject: str = "") -> None:
+        """FpmTracker listener: one accepted record of any component of the namespace."""
+        key = worker.key
+        if key.endpoint != self.cfg.endpoint:
+            return
+        pool = self.book.pool_of(key.component)
+        if pool is None:
+            return
+        restarted = worker.restarts > self._restarts.get(key, worker.restarts)
+        self._restarts[key] = worker.restarts
+        outcome = self.book.ingest(pool, worker.record, self.clock(), restarted=restarted)
+        if self.metrics is not None:
+            self.metrics.records.labels(outcome.split(":")[0]).inc()
+
+    def add_decision_listener(self, fn: Callable[[Decision], None]) -> None:
+        self._listeners.append(fn)
+
+    def _poll_cards(self) -> None:
+        for pool, source in self.cards.items():
+            for worker_id, cap in source.poll(self.cfg.capacity.kv_block_size).items():
+                self.book.set_card_capacity(pool, worker_id, cap)
+
+    # ------------------------------------------------------------------ decide + act
+    async def tick(self) -> Decision:
+        now = self.clock()
+        self._poll_cards()
+        try:
+            status = await self.connector.status()
+        except Exception as exc:
+            logger.warning("connector status failed: %r", exc)
+            status = ConnectorStatus(settled=False, detail=f"status failed: {exc!r}"[:200])
+        self.last_status = status
+        obs = self.book.observe(
+            now, prefill_replicas=status.prefill, decode_replicas=status.decode, settled=status.settled
+        )
+        t0 = time.perf_counter()
+        decision, state = decide(obs, self.state, self.cfg)
+        spent = time.perf_counter() - t0
+        applied = {"prefill": False, "decode": False}
+        new = {p: state.pool(p).in_flight for p in ("prefill", "decode")}
+        fresh = [p for p, fl in new.items() if fl is not None and fl.since == now]
+        if self.cfg.dry_run:
+            # Nothing will happen: do not wait for it.
+            state = PolicyState(*(replace(state.pool(p), in_flight=None) for p in ("prefill", "decode")))
+        elif fresh:
+            target = {p: (new[p].target if new[p] is not None else decision.pool(p).current) for p in new}  # type: ignore[union-attr]
+            try:
+                await self.connector.apply(target["prefill"], target["decode"])
+                self.commands.append((now, target["prefill"], target["decode"]))
+                applied = {p: p in fresh for p in applied}
+            except Exception as exc:
+                logger.error(
+                    "connector apply(prefill=%s, decode=%s) failed: %r",
+                    target["prefill"],
+                    target["decode"],
+                    exc,
+                )
+                if self.metrics is not None:
+                    self.metrics.apply_errors.inc()
+                state = PolicyState(
+                    *(
+                        replace(state.pool(p), in_flight=None) if p in fresh else state.pool(p)
+                        for p in ("prefill", "decode")
+                    )
+                )
+        self.state = state
+        self.ticks += 1
+        self.last = decision
+        if self.log is not None:
+            self.log.write(
+                lines(decision, ts=self.wall(), tick=self.ticks, applied=applied, dry_run=self.cfg.dry_run)
+            )
+        if self.metrics is not None:
+            gpus = sum(
+                decision.pool(p).desired * self.cfg.pool(p).gpus_per_replica for p in ("prefill", "decode")
+            )
+            self.metrics.observe(decision, gpus, spent)
+        if self.cfg.tui:
+            sys.stderr.write(
+                CLEAR
+                + render(decision, status, self.book.stats, connector=self.connector.name, tick=self.ticks)
+                + "\n"
+            )
+            sys.stderr.flush()
+        for fn in self._listeners:
+            fn(decision)
+        return decision
+
+    async def run(self, stop: asyncio.Event, *, max_ticks: int | None = None) -> None:
+        """Tick every ``interval_s`` (drift-free) until ``stop`` is set."""
+        next_at = self.clock()
+        while not stop.is_set():
+            await self.tick()
+            if max_ticks is not None and self.ticks >= max_ticks:
+                return
+            next_at += self.cfg.interval_s
+            delay = next_at - self.clock()
+            if delay < 0:
+                next_at = self.clock()
+                delay = 0.0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
