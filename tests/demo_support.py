@@ -3,6 +3,10 @@ fake planner that writes a decision log. They run as real processes so the super
 
 from __future__ import annotations
 
+import functools
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +75,58 @@ def write_script(tmp: Path, name: str, text: str) -> Path:
     path = tmp / name
     path.write_text(text)
     return path
+
+
+# ---- entry points and their flags (for the launch-script and compose-file tests) -------------------
+ENTRY_POINTS = (
+    "dynamo.frontend",
+    "dynamo.vllm",
+    "dynamo.planner",
+    "dynamo.vllm.tiny_model",
+    "dynamo.common.nats_server",
+    "dynamo.common.recv_forward_pass_metrics",
+)
+
+# Entry points with subcommands: the commands we start must name one explicitly.
+SUBCOMMANDS = {"dynamo.planner": ("run", "replay", "config")}
+
+
+@functools.cache
+def entry_point_flags(module: str) -> frozenset[str]:
+    """Every ``--flag`` that ``python -m module --help`` documents (runs it once per session)."""
+    out = subprocess.run(
+        [sys.executable, "-m", *module.split(), "--help"], capture_output=True, text=True, timeout=180,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, f"python -m {module} --help failed:\n{out.stderr[-2000:]}"
+    return frozenset(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", out.stdout))
+
+
+def check_command(argv: list[str]) -> list[str]:
+    """Problems with a ``python -m <entry point> flags...`` command line (empty list: fine)."""
+    if "-m" not in argv:
+        return [f"not a python -m command: {argv}"]
+    module = argv[argv.index("-m") + 1]
+    if module not in ENTRY_POINTS:
+        return [f"{module} is not an entry point of this project"]
+    rest = argv[argv.index("-m") + 2 :]
+    if module in SUBCOMMANDS:
+        if not rest or rest[0] not in SUBCOMMANDS[module]:
+            return [f"{module} needs one of the subcommands {SUBCOMMANDS[module]}, got {rest[:1]}"]
+        module, rest = f"{module} {rest[0]}", rest[1:]
+    flags = entry_point_flags(module)
+    problems = []
+    for arg in rest:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            if flag not in flags:
+                problems.append(f"{module} has no flag {flag}")
+    return problems
+
+
+_DEFAULT = re.compile(r"\$\{([A-Z0-9_]+)(?::?-([^}]*))?\}")
+
+
+def compose_defaults(value: str) -> str:
+    """Compose/shell-style ``${VAR:-default}`` -> default (``${VAR}`` -> empty)."""
+    return _DEFAULT.sub(lambda m: m.group(2) or "", value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import struct
 import subprocess
 import sys
@@ -315,7 +316,12 @@ def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
     assert "--kv-transfer-config" not in stack.worker_argv(cfg, "agg")
     conf = stack.planner_config(cfg)
     assert conf["connector"] == "local" and conf["local"]["initial_decode"] == 1  # type: ignore[index]
-    assert "free_port_exec.py VLLM_NIXL_SIDE_CHANNEL_PORT --" in conf["local"]["decode_command"]  # type: ignore[index]
+    template = conf["local"]["decode_command"]  # type: ignore[index]
+    assert "free_port_exec.py VLLM_NIXL_SIDE_CHANNEL_PORT --" in template
+    # The planner fills {placeholders} with str.format: the JSON braces survive it.
+    argv = shlex.split(template.format(pool="decode", index=1, port=5, namespace="demo", log_dir="x"))
+    assert argv[argv.index("--", 2) + 1 :] == dec
+    assert stack.planner_argv(cfg)[3] == "run"
     env = stack.stack_env(cfg)
     assert env["NATS_SERVER"] == "nats://127.0.0.1:4999" and env["DYN_FILE_KV"] == str(tmp_path / "d")
     phases = stack.load_phases(240, 1.0)
@@ -332,3 +338,22 @@ def test_free_port_exec_sets_a_port_and_execs(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     assert 1024 < int(out.stdout) < 65536
+
+
+def test_parse_fpm_line_of_the_watch_cli_format() -> None:
+    """The exact shape ``recv_forward_pass_metrics --json`` prints (envelope time in epoch ms)."""
+    line = {
+        "subject": "namespace.demo.component.prefill.endpoint.generate.forward-pass-metrics",
+        "component": "prefill",
+        "endpoint": "generate",
+        "published_at_ms": 1700000000500,
+        "version": 1,
+        "worker_id": "abc",
+        "dp_rank": 0,
+        "counter_id": 3,
+        "wall_time": 0.0,
+        "scheduled_requests": {},
+        "queued_requests": {"num_prefill_requests": 2, "sum_prefill_tokens": 40},
+    }
+    s = signals.parse_fpm_line(line)
+    assert s is not None and s.t == 1700000000.5 and s.pool == "prefill" and s.queued_prefill_tokens == 40

@@ -71,8 +71,9 @@ def parse_fpm_line(obj: dict[str, Any], now: float | None = None) -> FpmSample |
     sched = rec.get("scheduled_requests") or rec.get("scheduled") or {}
     queued = rec.get("queued_requests") or rec.get("queued") or {}
     t = _first(obj, "received_at", "time", "ts", "t", default=None)
-    if t is None and "published_at" in obj:
-        t = _num(obj["published_at"]) / 1000.0
+    if t is None:  # the watch CLI's envelope time stamp (publisher's epoch ms)
+        ms = _first(obj, "published_at_ms", "published_at", default=None)
+        t = _num(ms) / 1000.0 if ms is not None else None
     t = _num(t) if t is not None else (now if now is not None else time.time())
 
     def opt(key: str) -> float | None:
@@ -129,7 +130,7 @@ def parse_decision_line(obj: dict[str, Any]) -> Decision | None:
     desired = _first(obj, "desired", "desired_replicas", "target", "target_replicas", default=None)
     if current is None or desired is None:
         return None
-    t = _first(obj, "time", "ts", "timestamp", "t", default=None)
+    t = _first(obj, "ts", "time", "timestamp", "t", default=None)
     if isinstance(t, str):
         try:
             from datetime import datetime

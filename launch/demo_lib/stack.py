@@ -152,7 +152,8 @@ def worker_template(cfg: DemoConfig, mode: str) -> str:
     Wrapped by ``free_port_exec.py`` so every replica gets its own NIXL side-channel port.
     """
     wrapper = [cfg.python, str(HERE / "free_port_exec.py"), "VLLM_NIXL_SIDE_CHANNEL_PORT", "--"]
-    return shlex.join(wrapper + worker_argv(cfg, mode))
+    # The planner fills {placeholders} with str.format: the JSON's own braces must be doubled.
+    return shlex.join(wrapper + worker_argv(cfg, mode)).replace("{", "{{").replace("}", "}}")
 
 
 def planner_config(cfg: DemoConfig) -> dict[str, object]:
@@ -185,11 +186,12 @@ def planner_config(cfg: DemoConfig) -> dict[str, object]:
 
 def planner_argv(cfg: DemoConfig) -> list[str]:
     return [
-        cfg.python, "-m", "dynamo.planner",
+        cfg.python, "-m", "dynamo.planner", "run",
         "--config", json.dumps(planner_config(cfg)),
         "--connector", "local",
         "--namespace", cfg.namespace,
         "--decision-log", str(cfg.decision_path),
+        "--no-tui",
     ]  # fmt: skip
 
 
