@@ -146,8 +146,14 @@ class Planner:
         return decision
 
     async def run(self, stop: asyncio.Event, *, max_ticks: int | None = None) -> None:
-        """Tick every ``interval_s`` (drift-free) until ``stop`` is set."""
-        next_at = self.clock()
+        """Tick every ``interval_s`` (drift-free) until ``stop`` is set.
+
+        The first decision comes one interval after the start, so every live worker has published
+        (records or heartbeats) before the planner judges the pools.
+        """
+        next_at = self.clock() + self.cfg.interval_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), self.cfg.interval_s)
         while not stop.is_set():
             await self.tick()
             if max_ticks is not None and self.ticks >= max_ticks:

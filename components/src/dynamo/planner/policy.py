@@ -322,6 +322,12 @@ def _draft(name: str, obs: Observation, st: PoolState, cfg: PlannerConfig) -> _D
                 f"{'settled' if obs.settled else 'connector busy'}; gives up in {left:.0f}s)"
             )
 
+    # Below the minimum (a fresh deployment, a crashed replica): one step up, whatever the load.
+    if cur < pc.min_replicas:
+        return _Draft(
+            name, pool, st, cur + 1, "scale_up", f"{cur} replicas, below min_replicas {pc.min_replicas}", sig
+        )
+
     # 2. Replicas vs publishing workers.
     missing = cur - pool.workers
     st = replace(
