@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, is_heartbeat
 
@@ -30,9 +31,11 @@ class Capacity:
     source: str = "none"
 
 
-@dataclass(frozen=True, slots=True)
-class EngineObs:
-    """The latest record of one engine (worker_id, dp_rank) and what the planner knows about it."""
+class EngineObs(NamedTuple):
+    """The latest record of one engine (worker_id, dp_rank) and what the planner knows about it.
+
+    A NamedTuple, not a frozen dataclass: thousands are built per tick and this is cheaper.
+    """
 
     worker_id: str
     dp_rank: int
@@ -130,6 +133,7 @@ class WorkerBook:
         self.cfg = cfg
         self._engines: dict[str, dict[tuple[str, int], _Engine]] = {p: {} for p in POOLS}
         self._cards: dict[str, dict[str, Capacity]] = {p: {} for p in POOLS}
+        self._merged: dict[str, dict[str, Capacity]] = {p: {} for p in POOLS}
         self._rejected_since_snapshot: dict[str, int] = {p: 0 for p in POOLS}
         self.models = LatencyModels(cfg.sla.window)
         self.stats = BookStats()
@@ -193,9 +197,17 @@ class WorkerBook:
             self._cards[pool].pop(worker_id, None)
         else:
             self._cards[pool][worker_id] = cap
+        self._merged[pool].pop(worker_id, None)
 
     def capacity_for(self, pool: str, worker_id: str) -> Capacity:
-        """Model card values first; configuration fills what the card does not say."""
+        """Model card values first; configuration fills what the card does not say (cached)."""
+        merged = self._merged[pool]
+        cap = merged.get(worker_id)
+        if cap is None:
+            cap = merged[worker_id] = self._capacity(pool, worker_id)
+        return cap
+
+    def _capacity(self, pool: str, worker_id: str) -> Capacity:
         conf = self.cfg.capacity
         card = self._cards[pool].get(worker_id)
         if card is None:
@@ -221,17 +233,19 @@ class WorkerBook:
         engines = self._engines[pool]
         stale_after = self.cfg.stale_after_s
         out: list[EngineObs] = []
-        for key, eng in list(engines.items()):
+        stale = []
+        cap_for = self.capacity_for
+        warm_s, warm_n = self.cfg.warmup_s, self.cfg.warmup_records
+        for key, eng in engines.items():
             age = now - eng.last_seen
             if age > stale_after:
-                del engines[key]
-                self.stats.dropped_stale += 1
+                stale.append(key)
                 continue
-            out.append(
-                EngineObs(
-                    key[0], key[1], eng.record, age, self._warm(eng, now), self.capacity_for(pool, key[0])
-                )
-            )
+            warm = now - eng.first_seen >= warm_s and eng.timing_records >= warm_n
+            out.append(EngineObs(key[0], key[1], eng.record, age, warm, cap_for(pool, key[0])))
+        for key in stale:
+            del engines[key]
+            self.stats.dropped_stale += 1
         workers = len({e.worker_id for e in out})
         rejected, self._rejected_since_snapshot[pool] = self._rejected_since_snapshot[pool], 0
         fit = self.models.prefill.fit() if pool == "prefill" else self.models.decode.fit()

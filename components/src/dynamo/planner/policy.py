@@ -204,16 +204,23 @@ def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
     if pool.name == "prefill":
         target = cfg.sla.ttft_ms / 1000.0
 
-        def ttft(q: float, e: EngineObs) -> float:
-            chunk = e.capacity.max_num_batched_tokens or max(q, 1.0)
-            passes = max(1.0, math.ceil(q / chunk))
-            return passes * fit.predict(min(q, chunk))
+        a, b = fit.coef
+
+        def ttft(q: float, chunk: int | None) -> float:
+            """Time to compute ``q`` queued tokens in passes of at most ``chunk`` tokens."""
+            c = chunk or max(q, 1.0)
+            passes = max(1.0, math.ceil(q / c))
+            return passes * max(a + b * min(q, c), 0.0)
 
         qs = [float(e.record.queued_requests.sum_prefill_tokens) for e in engines]
-        est = [ttft(q, e) for q, e in zip(qs, engines, strict=True)]
+        est = [ttft(q, e.capacity.max_num_batched_tokens) for q, e in zip(qs, engines, strict=True)]
         ratios = [x / target for x in est]
         data: dict[str, Any] = {"ttft_est_s": _summ(est), "ttft_target_s": target, "samples": fit.samples}
-        cons = ttft(sum(qs) / (n - 1), engines[0]) / target if n > 1 else math.inf
+        cons = (
+            ttft(sum(qs) / (n - 1), engines[0].capacity.max_num_batched_tokens) / target
+            if n > 1
+            else math.inf
+        )
         kv_over = False
     else:
         target = cfg.sla.itl_ms / 1000.0
@@ -224,7 +231,8 @@ def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
             for e in engines
         ]
         kvs = [decode_demand(e, cfg.transfer_bound_weight, 1.0)[0] for e in engines]
-        est = [fit.predict(r, k) for r, k in zip(reqs, kvs, strict=True)]
+        a, b, c = fit.coef
+        est = [max(a + b * r + c * k, 0.0) for r, k in zip(reqs, kvs, strict=True)]
         ratios = [x / target for x in est]
         caps = [e.capacity.kv_tokens for e in engines]
         kv_over = any(c and k > c for k, c in zip(kvs, caps, strict=True))
