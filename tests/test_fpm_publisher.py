@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import socket
 import threading
 import time
 
@@ -196,23 +197,41 @@ async def test_nats_down_acceptance_100k_calls_fast_bounded_counted_then_resumes
     assert st.published + st.dropped == 100_002
 
 
-async def test_nats_down_at_start_constructor_returns_at_once(fresh_nats_server: EmbeddedNatsServer) -> None:
-    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens here
-    t0 = time.perf_counter()
-    pub = make_pub(url, heartbeat_interval=60)
-    assert time.perf_counter() - t0 < 0.1
+@pytest.mark.parametrize("kind", ["refused", "silent"])
+async def test_nats_down_at_start_constructor_returns_at_once(kind: str) -> None:
+    """Nothing listening (refused at once), or a server that accepts TCP but never speaks (a connect
+    attempt hangs until its timeout): neither the constructor nor publish() nor close() waits for it."""
+    silent = None
+    if kind == "silent":
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+    else:
+        url = f"nats://127.0.0.1:{free_port()}"
     try:
-        for _ in range(10):
-            pub.publish(full_record())
-        await asyncio.sleep(0.5)
-        st = pub.stats()
-        assert not st.connected and st.queued == 10 and st.last_error
-    finally:
         t0 = time.perf_counter()
-        pub.close(timeout=0.5)
-        assert time.perf_counter() - t0 < 2.5
-    st = pub.stats()
-    assert (st.published, st.dropped, st.queued) == (0, 10, 0)
+        pub = make_pub(url, heartbeat_interval=60)
+        assert time.perf_counter() - t0 < 0.5  # a thread start; the connect timeout is 2 s
+        try:
+            t0 = time.perf_counter()
+            for _ in range(10):
+                pub.publish(full_record())
+            assert time.perf_counter() - t0 < 0.05
+            await asyncio.sleep(0.5)
+            st = pub.stats()
+            assert not st.connected and st.queued == 10
+            if kind == "refused":
+                assert "Connect call failed" in (st.last_error or "")
+        finally:
+            t0 = time.perf_counter()
+            pub.close(timeout=0.5)
+            assert time.perf_counter() - t0 < 2.0
+        st = pub.stats()
+        assert (st.published, st.dropped, st.queued) == (0, 10, 0)
+    finally:
+        if silent is not None:
+            silent.close()
 
 
 async def test_restart_mid_stream_caller_never_blocked(fresh_nats_server: EmbeddedNatsServer) -> None:
@@ -220,17 +239,16 @@ async def test_restart_mid_stream_caller_never_blocked(fresh_nats_server: Embedd
     url = fresh_nats_server.url
     pub = make_pub(url, heartbeat_interval=60)
     col = await Collector(url, fpm_subject(NS, "backend")).start()
-    worst = 0.0
+    durations: list[float] = []
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def producer() -> None:
-        nonlocal worst
         try:
             while not stop.is_set():
                 t0 = time.perf_counter()
                 pub.publish(full_record())
-                worst = max(worst, time.perf_counter() - t0)
+                durations.append(time.perf_counter() - t0)
                 time.sleep(0.002)
         except BaseException as exc:  # pragma: no cover - the assertion below reports it
             errors.append(exc)
@@ -251,7 +269,10 @@ async def test_restart_mid_stream_caller_never_blocked(fresh_nats_server: Embedd
         pub.close()
         await col.stop()
     assert not errors
-    assert worst < 0.05  # never waited on the network (GC or scheduler hiccups only)
+    # Never waited on the network: a blocking hand-off would stall every call of the ~1 s outage.
+    # A loaded machine may preempt a call now and then, so allow a few slow ones.
+    assert len(durations) > 300
+    assert sum(d > 0.05 for d in durations) <= 3, sorted(durations)[-5:]
     st = pub.stats()
     assert st.reconnects >= 1 and st.connected is False
     counters = [r.counter_id for r in col.records()]

@@ -130,8 +130,8 @@ def test_unreachable_nats_clear_error_nonzero(tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     proc, err = spawn(url, "--connect-timeout", "2", tmp=tmp_path)
-    proc.communicate(timeout=20)
-    assert time.monotonic() - t0 < 15
+    proc.communicate(timeout=40)
+    assert time.monotonic() - t0 < 30  # 2 s timeout + interpreter start on a loaded machine
     assert proc.returncode == 2
     msg = err.read_text().strip()
     assert msg.startswith("error: cannot reach NATS at") and url in msg
