@@ -171,3 +171,34 @@ class EmbeddedEtcd:
                 self.proc.wait()
         self.proc = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# A stand-in worker for the local connector: publishes FPM records with our library's publisher
+# (what a control file says, else only the publisher's idle heartbeats) and drains on SIGTERM.
+STAND_IN_FPM_WORKER = """
+import json, os, signal, sys, time
+from dynamo.common.forward_pass_metrics import ForwardPassMetrics, QueuedRequestMetrics, ScheduledRequestMetrics
+from dynamo.common.fpm_publisher import FpmDirectPublisher
+control, ns, url = sys.argv[1], sys.argv[2], sys.argv[3]
+pool, index = os.environ["DYN_PLANNER_POOL"], os.environ["DYN_PLANNER_INDEX"]
+wid = f"{pool}-{index}"
+pub = FpmDirectPublisher(namespace=ns, component="prefill" if pool == "prefill" else "backend", worker_id=wid, nats_url=url)
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+print("started", wid, flush=True)
+while not stop:
+    try:
+        spec = json.loads(open(control).read()).get(pool)
+    except (OSError, ValueError):
+        spec = None
+    if spec:
+        pub.publish(ForwardPassMetrics(
+            worker_id=wid, wall_time=0.02,
+            scheduled_requests=ScheduledRequestMetrics(**spec.get("scheduled", {})),
+            queued_requests=QueuedRequestMetrics(**spec.get("queued", {})),
+        ))
+    time.sleep(0.1)
+print("draining", wid, flush=True)
+pub.close()
+print("drained", wid, flush=True)
+"""

@@ -120,6 +120,21 @@ def test_replicas_not_publishing_hold_then_count_against_scale_down() -> None:
     assert d.decode.action == "scale_up" and d.decode.desired == 3
 
 
+def test_silence_from_every_replica_is_not_idleness() -> None:
+    """All workers silent (NATS down, tracker cut off): hold, never "traffic stopped -> minimum"."""
+    cfg = config()
+    state = PolicyState()
+    for t in range(0, 120, 5):
+        d, state = decide(obs(float(t), [], [], prefill_replicas=3, decode_replicas=3), state, cfg)
+        assert d.prefill.action == d.decode.action == "hold", (d.prefill.reason, d.decode.reason)
+    assert "3 of 3 replicas not publishing" in d.decode.reason
+
+
+def test_below_minimum_steps_up() -> None:
+    d, _ = decide(obs(0.0, [], [heartbeat("d0")], prefill_replicas=0), PolicyState(), config())
+    assert (d.prefill.action, d.prefill.desired) == ("scale_up", 1) and "below min_replicas 1" in d.prefill.reason
+
+
 def test_malformed_records_are_rejected_and_reported() -> None:
     cfg = config()
     book = WorkerBook(cfg)

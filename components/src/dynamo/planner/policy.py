@@ -241,6 +241,8 @@ def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
         if n > 1 and cap_min and sum(kvs) / (n - 1) > cap_min * head:
             cons = math.inf
         data = {"itl_est_s": _summ(est), "itl_target_s": target, "samples": fit.samples, "kv_over": kv_over}
+    if pool.replicas > pool.workers:
+        cons = math.inf  # silent replicas: their load is unknown, so no consolidation
     mx = max(ratios)
     data["consolidated"] = None if not math.isfinite(cons) else round(cons, 4)
     if min(ratios) > 1.0 or kv_over:
@@ -362,8 +364,9 @@ def _draft(name: str, obs: Observation, st: PoolState, cfg: PlannerConfig) -> _D
     sig["want"] = s.want
     d = _Draft(name, pool, st, cur, "hold", s.why, sig, s)
     if s.want == "idle":
-        if missing > 0 and pool.workers > 0:
-            d.reason = s.why + f"; {missing} replicas not publishing count as busy"
+        if missing > 0:
+            # Silent replicas count as busy: a NATS outage must not read as "traffic stopped".
+            d.reason = s.why + f"; {missing} of {cur} replicas not publishing count as busy, no scale-down"
             d.st = replace(st, idle_since=None, down_since=None)
             return d
         since = st.idle_since if st.idle_since is not None else now
