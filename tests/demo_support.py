@@ -33,6 +33,11 @@ class H(BaseHTTPRequestHandler):
         else:
             self._send(404)
     def do_POST(self):
+        try:
+            self._post()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away (the load driver cancels requests at a phase's end)
+    def _post(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if body.get("model") != "tiny":
             return self._send(404, b'{"error":"no such model"}')

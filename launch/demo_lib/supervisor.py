@@ -93,6 +93,14 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:300]
+    except OSError:
+        return "?"
+
+
 def _signal_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -183,7 +191,7 @@ class Supervisor:
         _signal_group(managed.pid, signal.SIGKILL)  # stragglers of its group
         return managed.proc.returncode
 
-    def stop_all(self, timeout: float = 20.0) -> list[int]:
+    def stop_all(self, timeout: float = 20.0) -> list[str]:
         """Stop everything in reverse start order, then kill any process still carrying the run marker.
 
         Returns the pids that had to be killed by the marker scan (should be empty).
@@ -203,10 +211,14 @@ class Supervisor:
                 m.proc.wait(5)
         return self.kill_marked(grace=5.0)
 
-    def kill_marked(self, grace: float = 5.0) -> list[int]:
-        """SIGTERM, then SIGKILL, every live process with this run's marker (except ourselves)."""
+    def kill_marked(self, grace: float = 5.0) -> list[str]:
+        """SIGTERM, then SIGKILL, every live process with this run's marker (except ourselves).
+
+        Returns ``"pid command"`` of each process found (should be none after a clean stop).
+        """
         me = os.getpid()
         stragglers = [p for p in pids_with_marker(self.run_id) if p != me]
+        found = [f"{p} {_cmdline(p)}" for p in stragglers]
         for pid in stragglers:
             _signal_pid(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -215,7 +227,7 @@ class Supervisor:
         for pid in pids_with_marker(self.run_id):
             if pid != me:
                 _signal_pid(pid, signal.SIGKILL)
-        return stragglers
+        return found
 
     def alive(self) -> Iterator[Managed]:
         return (m for m in self.procs if m.exited() is None)
