@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
@@ -231,6 +232,20 @@ def idle_cpu_cores(pids: list[int], seconds: float = 2.0) -> list[float]:
     time.sleep(seconds)
     elapsed = time.monotonic() - t0
     return [(process_cpu_seconds(pid) - s) / elapsed for pid, s in zip(pids, start, strict=True)]
+
+
+def wait_for_state(
+    engine: EngineProcess, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20.0
+) -> dict[str, Any]:
+    """Poll the engine's scheduler state until ``predicate`` holds; fail with the last state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = engine.call("state")
+        if predicate(state):
+            return state
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{engine.spec.name}: state never matched; last: {state}")
+        time.sleep(0.02)
 
 
 def first_token_s(result: dict[str, Any]) -> float:
