@@ -141,7 +141,9 @@ def _reachable(url: str, default_port: int, timeout: float = 2.0) -> bool:
 
 def make_runtime(cfg: PlannerConfig, loop: asyncio.AbstractEventLoop) -> Any:
     """The Dynamo runtime, or a ConnectionError *before* it would block for 120 s on a dead service."""
-    if cfg.discovery_backend == "etcd":
+    discovery = cfg.resolved_discovery(dict(os.environ))
+    # The VirtualConnectorCoordinator keeps its state in etcd whatever the discovery backend.
+    if discovery == "etcd" or (cfg.connector == "virtual" and not cfg.dry_run):
         etcd = os.environ.get("ETCD_ENDPOINTS", "http://localhost:2379")
         if not _reachable(etcd, 2379):
             raise ConnectionError(
@@ -153,7 +155,7 @@ def make_runtime(cfg: PlannerConfig, loop: asyncio.AbstractEventLoop) -> Any:
             raise ConnectionError(f"NATS not reachable at {nats} (set NATS_SERVER or --nats-url)")
     from dynamo.runtime import DistributedRuntime
 
-    return DistributedRuntime(loop, cfg.discovery_backend, cfg.request_plane, event_plane=cfg.event_plane)
+    return DistributedRuntime(loop, discovery, cfg.request_plane, event_plane=cfg.event_plane)
 
 
 async def build_connector(cfg: PlannerConfig, runtime: Any) -> Any:

@@ -147,8 +147,9 @@ class PlannerConfig:
     # Read capacity from Dynamo model cards (needs the Dynamo runtime); off = configuration only.
     use_model_cards: bool = True
     # Dynamo runtime used for model cards and the virtual connector: discovery backend ("etcd" or
-    # "file"; file discovery keeps its state in DYN_FILE_KV), request plane and event plane.
-    discovery_backend: str = "etcd"
+    # "file", which keeps its state in DYN_FILE_KV; None = env DYN_DISCOVERY_BACKEND, else etcd for
+    # the virtual connector and file otherwise), request plane and event plane.
+    discovery_backend: str | None = None
     request_plane: str = "tcp"
     event_plane: str = "nats"
     connector: ConnectorName = "virtual"
@@ -168,6 +169,13 @@ class PlannerConfig:
 
     def pool(self, name: str) -> PoolConfig:
         return self.prefill if name == "prefill" else self.decode
+
+    def resolved_discovery(self, env: dict[str, str]) -> str:
+        if self.discovery_backend:
+            return self.discovery_backend
+        if env.get("DYN_DISCOVERY_BACKEND"):
+            return env["DYN_DISCOVERY_BACKEND"]
+        return "etcd" if self.connector == "virtual" and not self.dry_run else "file"
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:

@@ -327,10 +327,12 @@ def _draft(name: str, obs: Observation, st: PoolState, cfg: PlannerConfig) -> _D
             return _Draft(name, pool, st, running, act, reason, sig)
         else:
             left = cfg.action_timeout_s - (now - fl.since)
-            return hold(
+            # ``desired`` stays the pending target: the planner still wants it (logs, metrics).
+            why = (
                 f"waiting for action {fl.previous}->{fl.target} ({pool.workers} publishing, "
                 f"{'settled' if obs.settled else 'connector busy'}; gives up in {left:.0f}s)"
             )
+            return _Draft(name, pool, st, fl.target, "hold", why, sig)
 
     # Below the minimum (a fresh deployment, a crashed replica): one step up, whatever the load.
     if cur < pc.min_replicas:
