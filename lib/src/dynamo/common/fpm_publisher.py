@@ -7,10 +7,12 @@ busy thread runs beside it, so the hand-off avoids it:
 
 * while records flow, a background thread (owning an asyncio loop on a ``select`` selector, which
   honours sub-millisecond timeouts, and the nats-py connection) *polls* the queue every 0.25 ms and
-  drains it in one batch: every record is encoded into one buffer handed to nats-py with one flush;
-* after 5 ms without records it *parks* on a lock (GIL released, near-zero CPU); only the first
-  ``publish()`` after such an idle spell wakes it with ``Lock.release()``, which does not release the
-  caller's GIL either.
+  drains it in one batch: every record is encoded into one buffer handed to nats-py with one flush.
+  3 ms after the last record the poll period doubles up to 2 ms, so an engine stepping every few
+  milliseconds never has to wake the sender;
+* after 1 s without records it *parks* on a lock (GIL released, no CPU); only the first
+  ``publish()`` after such an idle spell wakes it, with ``Lock.release()``, which does not release
+  the caller's GIL either.
 
 Overflow policy: the queue keeps the newest ``max_queue`` records and drops the oldest. Every
 record carries its arrival index, so the sender counts each drop exactly and leaves a matching gap
@@ -59,10 +61,12 @@ logger = logging.getLogger(__name__)
 
 # Sender timing (seconds). Fast polls while records flow keep publish-to-receive latency well under
 # a millisecond; the back-off keeps an idle engine's sender near zero CPU.
-POLL_ACTIVE = 0.00025  # while records flow
-POLL_IDLE = 0.01  # while NATS is down
-ACTIVE_LINGER = 0.005  # keep polling this long after the last record, then park
+POLL_ACTIVE = 0.00025  # while records flow (within ACTIVE_LINGER of the last one)
+ACTIVE_LINGER = 0.003
+POLL_WARM_MAX = 0.002  # then the poll period doubles up to this
+PARK_AFTER = 1.0  # after this long without records the sender parks until publish() wakes it
 PARK_MAX = 0.1  # longest the sender blocks its event loop while parked
+POLL_IDLE = 0.01  # while NATS is down
 BATCH_MAX = 8192  # one turn can send a whole default-size queue
 STATS_FILE_INTERVAL = 1.0
 CONNECT_TIMEOUT = 2
@@ -228,8 +232,8 @@ class FpmDirectPublisher:
         conn = _Connection(self)
         conn_task = asyncio.ensure_future(conn.run())
         next_stats = 0.0
-        active_until = 0.0
-        last_sent = time.monotonic()
+        last_sent = last_record = time.monotonic()
+        poll = POLL_ACTIVE
         try:
             while True:
                 now = time.monotonic()
@@ -237,8 +241,7 @@ class FpmDirectPublisher:
                 if nc is not None and self._q:
                     await self._drain(nc)
                     await asyncio.sleep(0)  # let nats-py's flusher write the batch
-                    last_sent = now
-                    active_until = now + ACTIVE_LINGER
+                    last_sent = last_record = now
                 elif (
                     nc is not None
                     and self._idle_record is not None
@@ -254,11 +257,17 @@ class FpmDirectPublisher:
                         await asyncio.sleep(0.01)  # still connecting: wait for it until the deadline
                         continue
                     break
-                if now < active_until or nc is None or self._closing:
-                    await asyncio.sleep(POLL_ACTIVE if now < active_until else POLL_IDLE)
+                quiet = now - last_record
+                if nc is None or self._closing:
+                    await asyncio.sleep(POLL_ACTIVE if self._closing else POLL_IDLE)
                     continue
-                # Idle and connected: park this thread (GIL released) until publish() wakes it or the
-                # next timer (heartbeat, stats file, PARK_MAX for nats-py's own I/O) is due.
+                if quiet < PARK_AFTER:
+                    # Records flowed recently: poll (no wake-up ever costs the caller anything).
+                    poll = POLL_ACTIVE if quiet < ACTIVE_LINGER else min(POLL_WARM_MAX, poll * 2)
+                    await asyncio.sleep(poll)
+                    continue
+                # Idle for a while: park this thread (GIL released, no CPU) until publish() wakes it
+                # or the next timer (heartbeat, stats file, PARK_MAX for nats-py's own I/O) is due.
                 due = PARK_MAX
                 if self._idle_record is not None:
                     due = min(due, last_sent + self.heartbeat_interval - now)
