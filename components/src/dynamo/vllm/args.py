@@ -1,0 +1,293 @@
+"""Command line of ``python -m dynamo.vllm``: our flags plus vLLM's own engine arguments, unchanged.
+
+Parsing is split from validation so bad arguments fail fast with one line (exit code 2) before any
+runtime or engine is created, and so validation can be tested without vLLM's heavy imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from dynamo.common.fpm_subjects import (
+    DECODE_COMPONENT,
+    DEFAULT_ENDPOINT,
+    DEFAULT_NAMESPACE,
+    PREFILL_COMPONENT,
+)
+
+INSTRUMENTED_SCHEDULER = "dynamo.vllm.instrumented_scheduler.InstrumentedScheduler"
+DISAGGREGATION_MODES = ("agg", "prefill", "decode")
+DISCOVERY_BACKENDS = ("file", "etcd", "kubernetes", "mem")
+REQUEST_PLANES = ("tcp", "nats")
+EVENT_PLANES = ("nats", "zmq")
+EXIT_BAD_ARGS = 2
+WORKER_GROUP = "Dynamo worker options"
+
+
+class ConfigError(ValueError):
+    """A bad argument combination; its message is the one-line reason printed before exiting 2."""
+
+
+@dataclass
+class WorkerConfig:
+    """Everything the worker decides from its command line; ``engine_args`` is vLLM's own object."""
+
+    model: str
+    served_model_name: str
+    disaggregation_mode: str = "agg"
+    namespace: str = DEFAULT_NAMESPACE
+    component: str = DECODE_COMPONENT
+    endpoint: str = DEFAULT_ENDPOINT
+    discovery_backend: str = "file"
+    request_plane: str = "tcp"
+    event_plane: str = "zmq"
+    drain_timeout_s: float = 30.0
+    metrics_port: int | None = None
+    fpm_enabled: bool = True
+    custom_jinja_template: str | None = None
+    scheduler_cls: str | None = None
+    kv_transfer_config: Any = None
+    engine_args: Any = field(default=None, repr=False)
+
+    @property
+    def endpoint_path(self) -> str:
+        return f"{self.namespace}.{self.component}.{self.endpoint}"
+
+
+def _env(name: str, default: str | None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def default_event_plane() -> str:
+    """NATS when a NATS server is configured (FPM needs it anyway), otherwise ZMQ (no server needed)."""
+    return "nats" if os.environ.get("NATS_SERVER") else "zmq"
+
+
+def component_for_mode(mode: str) -> str:
+    """Upstream's convention that planners rely on: prefill workers serve under ``prefill``."""
+    return PREFILL_COMPONENT if mode == "prefill" else DECODE_COMPONENT
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Our own flags (vLLM's engine arguments are added next to them by ``build_parser``)."""
+    g = parser.add_argument_group(
+        WORKER_GROUP,
+        "Flags added by dynamo.vllm; every other flag is vLLM's own engine argument, passed unchanged.",
+    )
+    g.add_argument(
+        "--disaggregation-mode",
+        choices=DISAGGREGATION_MODES,
+        default=_env("DYN_DISAGGREGATION_MODE", "agg"),
+        help="agg: prefill and decode in this engine; prefill: prefill-only worker (component 'prefill'); "
+        "decode: decode worker fed by prefill workers. prefill/decode need --kv-transfer-config. "
+        "env: DYN_DISAGGREGATION_MODE",
+    )
+    g.add_argument(
+        "--namespace",
+        default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE),
+        help="Dynamo namespace. env: DYN_NAMESPACE",
+    )
+    g.add_argument(
+        "--component",
+        default=None,
+        help="Dynamo component of the generate endpoint; unset: 'prefill' in prefill mode, 'backend' otherwise",
+    )
+    g.add_argument(
+        "--endpoint",
+        default=DEFAULT_ENDPOINT,
+        help="Dynamo endpoint name",
+    )
+    g.add_argument(
+        "--discovery-backend",
+        choices=DISCOVERY_BACKENDS,
+        default=_env("DYN_DISCOVERY_BACKEND", "file"),
+        help="Dynamo discovery backend; 'file' keeps its state in DYN_FILE_KV (one machine, no etcd). "
+        "env: DYN_DISCOVERY_BACKEND",
+    )
+    g.add_argument(
+        "--request-plane",
+        choices=REQUEST_PLANES,
+        default=_env("DYN_REQUEST_PLANE", "tcp"),
+        help="Dynamo request plane. env: DYN_REQUEST_PLANE",
+    )
+    g.add_argument(
+        "--event-plane",
+        choices=EVENT_PLANES,
+        default=_env("DYN_EVENT_PLANE", None),
+        help="Dynamo event plane. env: DYN_EVENT_PLANE; unset: nats if NATS_SERVER is set, else zmq",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(_env("DYN_DRAIN_TIMEOUT_S", "30") or 30),
+        help="Seconds in-flight requests may take to finish after SIGTERM before they are aborted. "
+        "env: DYN_DRAIN_TIMEOUT_S",
+    )
+    port = _env("DYN_WORKER_METRICS_PORT", None)
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(port) if port and port.isdigit() else None,
+        help="Serve the worker's Prometheus metrics (FPM publisher counters, in-flight requests, "
+        "readiness) on this port; 0 picks a free port; unset: off (the same metrics are also on the "
+        "runtime's system server when DYN_SYSTEM_PORT is set). env: DYN_WORKER_METRICS_PORT",
+    )
+    g.add_argument(
+        "--fpm",
+        dest="fpm_enabled",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("DYN_FPM_ENABLED", True),
+        help="Publish forward-pass metrics from the engine's scheduler to NATS_SERVER. env: DYN_FPM_ENABLED",
+    )
+    g.add_argument(
+        "--custom-jinja-template",
+        default=None,
+        help="Chat template file for the frontend, for models whose tokenizer has none; unset: the model's",
+    )
+
+
+class WorkerArgumentParser(argparse.ArgumentParser):
+    """Prints argparse errors as one line and exits 2 (usage text is in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit code 2: the contract for every bad argument."""
+    first = " ".join(str(message).split())
+    print(f"dynamo.vllm: error: {first}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_ARGS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Our flags plus every vLLM engine argument (imports vLLM, ~10 s)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class _Parser(WorkerArgumentParser, FlexibleArgumentParser):
+        def format_help(self) -> str:
+            """vLLM's grouped help, plus our own flags spelled out (vLLM's: ``--help=all``)."""
+            text = super().format_help()
+            if getattr(self, "_search_keyword", None) is not None:
+                return text
+            formatter = self._get_formatter()
+            for group in self._action_groups:
+                if group.title == WORKER_GROUP:
+                    formatter.start_section(group.title)
+                    formatter.add_arguments(group._group_actions)
+                    formatter.end_section()
+            formatter.add_text(
+                "vLLM engine arguments: --help=all, or --help=<group name> (e.g. --help=CacheConfig)."
+            )
+            return f"{text}\n{formatter.format_help()}"
+
+    parser = _Parser(
+        prog="python -m dynamo.vllm",
+        description="Dynamo vLLM worker: serves a vLLM engine behind Dynamo's frontend and publishes "
+        "forward-pass metrics (FPM) to NATS.",
+    )
+    add_worker_arguments(parser)
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
+
+
+def model_path_problem(model: str) -> str | None:
+    """Why ``model`` cannot be loaded, decided without vLLM: a missing local path, or a hub name offline."""
+    expanded = os.path.expanduser(model)
+    if os.path.exists(expanded):
+        return None if os.path.isdir(expanded) else f"model path {model!r} is not a directory"
+    looks_local = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+    if looks_local:
+        return f"model path {model!r} does not exist"
+    if _env_bool("HF_HUB_OFFLINE", False):
+        return f"model {model!r} is not a local folder and HF_HUB_OFFLINE is set"
+    return None
+
+
+def validate(config: WorkerConfig) -> None:
+    """Raise ``ConfigError`` with a one-line reason for any bad combination of our flags."""
+    problem = model_path_problem(config.model)
+    if problem:
+        raise ConfigError(problem)
+    if config.disaggregation_mode in ("prefill", "decode") and not config.kv_transfer_config:
+        raise ConfigError(
+            f"--disaggregation-mode {config.disaggregation_mode} needs --kv-transfer-config "
+            '(e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}\')'
+        )
+    if config.disaggregation_mode == "agg" and config.kv_transfer_config:
+        pass  # allowed: an aggregated engine may still use a connector (e.g. offloading)
+    if config.drain_timeout_s < 0:
+        raise ConfigError(f"--drain-timeout must be >= 0, got {config.drain_timeout_s}")
+    if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be in 0..65535, got {config.metrics_port}")
+    for name in ("namespace", "component", "endpoint"):
+        value = getattr(config, name)
+        if not value or "." in value or " " in value:
+            raise ConfigError(f"--{name} must be a non-empty name without dots or spaces, got {value!r}")
+    if config.custom_jinja_template and not os.path.isfile(config.custom_jinja_template):
+        raise ConfigError(f"--custom-jinja-template {config.custom_jinja_template!r} is not a file")
+
+
+def config_from_namespace(ns: argparse.Namespace, engine_args: Any) -> WorkerConfig:
+    """Build our config from parsed flags; ``engine_args`` is ``AsyncEngineArgs.from_cli_args(ns)``."""
+    served = getattr(engine_args, "served_model_name", None)
+    if isinstance(served, list | tuple):
+        served = served[0] if served else None
+    mode = ns.disaggregation_mode
+    return WorkerConfig(
+        model=engine_args.model,
+        served_model_name=served or engine_args.model,
+        disaggregation_mode=mode,
+        namespace=ns.namespace,
+        component=ns.component or component_for_mode(mode),
+        endpoint=ns.endpoint,
+        discovery_backend=ns.discovery_backend,
+        request_plane=ns.request_plane,
+        event_plane=ns.event_plane or default_event_plane(),
+        drain_timeout_s=ns.drain_timeout,
+        metrics_port=ns.metrics_port,
+        fpm_enabled=ns.fpm_enabled,
+        custom_jinja_template=ns.custom_jinja_template,
+        scheduler_cls=_scheduler_name(engine_args.scheduler_cls),
+        kv_transfer_config=engine_args.kv_transfer_config,
+        engine_args=engine_args,
+    )
+
+
+def _scheduler_name(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return f"{value.__module__}.{value.__qualname__}"
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """Parse and validate; on any problem print one line and exit 2 (no runtime, no engine yet)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    problem = model_path_problem(str(ns.model))
+    if problem:
+        fail(problem)
+    try:
+        engine_args = AsyncEngineArgs.from_cli_args(ns)
+        config = config_from_namespace(ns, engine_args)
+        validate(config)
+    except ConfigError as exc:
+        fail(str(exc))
+    except (ValueError, TypeError) as exc:
+        fail(f"{type(exc).__name__}: {exc}")
+    return config

@@ -1,0 +1,143 @@
+"""The vLLM side of the worker: scheduler choice, the FPM environment of the engine process, engine start.
+
+``choose_scheduler`` and ``fpm_environment`` are pure so the wiring is testable without an engine.
+The scheduler reads its settings from the environment because it runs in vLLM's EngineCore process,
+which inherits the worker's environment when it is spawned.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from dynamo.vllm.args import INSTRUMENTED_SCHEDULER, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+STATS_FILE_NAME = "fpm-stats-{dp_rank}.json"
+
+
+@dataclass(frozen=True)
+class SchedulerChoice:
+    """Which scheduler class the engine gets, whether FPM is on, and the one warning to log if not."""
+
+    scheduler_cls: str | None
+    fpm_enabled: bool
+    warning: str | None = None
+
+
+def instrumented_scheduler_available() -> bool:
+    """True when the InstrumentedScheduler module is installed (EngineCore must be able to import it)."""
+    module = INSTRUMENTED_SCHEDULER.rsplit(".", 1)[0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def choose_scheduler(user_scheduler: str | None, fpm_requested: bool, available: bool) -> SchedulerChoice:
+    """Inject the InstrumentedScheduler unless the user chose another one or FPM is off or missing."""
+    if user_scheduler and user_scheduler != INSTRUMENTED_SCHEDULER:
+        return SchedulerChoice(
+            user_scheduler,
+            False,
+            f"--scheduler-cls {user_scheduler} replaces {INSTRUMENTED_SCHEDULER}: "
+            "forward-pass metrics (FPM) are OFF for this worker",
+        )
+    if not fpm_requested:
+        return SchedulerChoice(user_scheduler, False, None)
+    if not available:
+        return SchedulerChoice(
+            user_scheduler,
+            False,
+            f"{INSTRUMENTED_SCHEDULER} is not importable: forward-pass metrics (FPM) are OFF for this worker",
+        )
+    return SchedulerChoice(INSTRUMENTED_SCHEDULER, True, None)
+
+
+def fpm_environment(
+    config: WorkerConfig, worker_id: str, fpm_enabled: bool, stats_dir: str
+) -> dict[str, str]:
+    """Environment the InstrumentedScheduler reads in the EngineCore process (one stream per dp rank)."""
+    env = {
+        "DYN_NAMESPACE": config.namespace,
+        "DYN_FPM_COMPONENT": config.component,
+        "DYN_FPM_ENDPOINT": config.endpoint,
+        "DYN_FPM_WORKER_ID": worker_id,
+        "DYN_FPM_ENABLED": "1" if fpm_enabled else "0",
+        "DYN_FPM_STATS_FILE": os.path.join(stats_dir, STATS_FILE_NAME),
+    }
+    nats = os.environ.get("NATS_SERVER")
+    if nats:
+        env["NATS_SERVER"] = nats
+    return env
+
+
+def make_stats_dir() -> str:
+    """A private folder for the publisher's per-rank counter files (removed by the worker on exit)."""
+    return tempfile.mkdtemp(prefix="dynamo-vllm-fpm-")
+
+
+def disaggregation_environment(mode: str, environ: dict[str, str], free_port: int) -> dict[str, str]:
+    """NIXL side-channel defaults for one machine: loopback host and a free port unless already set."""
+    if mode not in ("prefill", "decode"):
+        return {}
+    env: dict[str, str] = {}
+    if not environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST"):
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    if not environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT"):
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port)
+    return env
+
+
+def create_vllm_config(engine_args: Any) -> Any:
+    """vLLM's full config (validates every engine argument and reads the model config; no engine yet)."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def start_engine(vllm_config: Any, engine_args: Any) -> Any:
+    """Start the AsyncLLM (EngineCore in a child process) for an already validated config."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_vllm_config(
+        vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=getattr(engine_args, "enable_log_requests", False),
+        disable_log_stats=getattr(engine_args, "disable_log_stats", False),
+    )
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """What a planner needs to judge this engine's capacity; read from vLLM's config after start."""
+
+    context_length: int
+    total_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    data_parallel_size: int
+    data_parallel_start_rank: int
+
+
+def engine_capacity(vllm_config: Any) -> EngineCapacity:
+    """Per-rank figures: vLLM's num_gpu_blocks is the KV cache of one engine rank."""
+    cache = vllm_config.cache_config
+    sched = vllm_config.scheduler_config
+    par = vllm_config.parallel_config
+    return EngineCapacity(
+        context_length=int(vllm_config.model_config.max_model_len),
+        total_kv_blocks=int(cache.num_gpu_blocks or 0),
+        block_size=int(cache.block_size),
+        max_num_seqs=int(sched.max_num_seqs),
+        max_num_batched_tokens=int(sched.max_num_batched_tokens),
+        data_parallel_size=int(getattr(par, "data_parallel_size", 1) or 1),
+        data_parallel_start_rank=int(getattr(par, "data_parallel_rank", 0) or 0),
+    )

@@ -1,0 +1,223 @@
+"""``python -m dynamo.vllm``: a vLLM engine served behind Dynamo's frontend, publishing FPM.
+
+Startup: parse and validate (exit 2 on bad arguments, before anything starts), choose the scheduler,
+let vLLM validate its whole config, create the Dynamo runtime and the generate endpoint, export the
+FPM environment (worker id = the endpoint's connection id), start the engine, serve, register, report
+ready. Shutdown on SIGTERM/SIGINT: drain (see ``drain.py``), stop the engine, stop the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+from typing import Any
+from urllib.parse import urlparse
+
+from dynamo.common.nats_server import free_port
+from dynamo.vllm import engine as eng
+from dynamo.vllm import registration
+from dynamo.vllm.args import WorkerConfig, fail, parse_args
+from dynamo.vllm.drain import ExitCode, InflightTracker, drain
+from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
+from dynamo.vllm.handlers import RequestHandler
+from dynamo.vllm.health import HEALTH_CHECK_PAYLOAD, Readiness, wait_engine_dead
+
+log = logging.getLogger("dynamo.vllm")
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("DYN_LOG_LEVEL", os.environ.get("DYN_LOG", "INFO")).upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+def nats_reachable(url: str, timeout_s: float = 2.0) -> bool:
+    """TCP check of NATS_SERVER: the runtime would otherwise retry for up to 120 s."""
+    first = url.split(",")[0].strip()
+    parsed = urlparse(first if "://" in first else f"nats://{first}")
+    try:
+        with socket.create_connection((parsed.hostname or "localhost", parsed.port or 4222), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def prepare(config: WorkerConfig) -> Any:
+    """Scheduler choice and vLLM's own validation of the engine config; exit 2 on any problem."""
+    choice = eng.choose_scheduler(
+        config.scheduler_cls, config.fpm_enabled, eng.instrumented_scheduler_available()
+    )
+    if choice.warning:
+        log.warning(choice.warning)
+    config.fpm_enabled = choice.fpm_enabled
+    config.engine_args.scheduler_cls = choice.scheduler_cls
+    try:
+        return eng.create_vllm_config(config.engine_args)
+    except Exception as exc:
+        fail(_one_line(exc))
+
+
+async def serve(config: WorkerConfig, vllm_config: Any) -> int:
+    """Run the worker until a signal or an engine death; returns the process exit code."""
+    from dynamo.runtime import DistributedRuntime
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    os.environ.update(
+        eng.disaggregation_environment(config.disaggregation_mode, dict(os.environ), free_port())
+    )
+    nats = os.environ.get("NATS_SERVER", "")
+    needs_nats = config.event_plane == "nats" or config.request_plane == "nats"
+    if needs_nats and not nats_reachable(nats or "nats://localhost:4222"):
+        log.error("NATS_SERVER %r is not reachable (needed by the nats event/request plane)", nats)
+        print(f"dynamo.vllm: error: NATS_SERVER {nats!r} is not reachable", file=sys.stderr)
+        return ExitCode.STARTUP_FAILED
+    runtime = DistributedRuntime(
+        loop, config.discovery_backend, config.request_plane, event_plane=config.event_plane
+    )
+    readiness = Readiness(runtime)
+    readiness.set(False)
+    endpoint = runtime.endpoint(config.endpoint_path)
+    worker_id = str(endpoint.connection_id())
+    stats_dir = eng.make_stats_dir()
+    fpm_env = eng.fpm_environment(config, worker_id, config.fpm_enabled, stats_dir)
+    os.environ.update(fpm_env)
+    log.info(
+        "worker %s serving %s (%s mode), FPM %s",
+        worker_id,
+        config.endpoint_path,
+        config.disaggregation_mode,
+        "on" if config.fpm_enabled else "off",
+    )
+
+    tracker = InflightTracker()
+    collector = WorkerCollector(
+        fpm_env["DYN_FPM_STATS_FILE"] if config.fpm_enabled else None,
+        lambda: tracker.count,
+        readiness,
+        {"namespace": config.namespace, "component": config.component, "worker_id": worker_id},
+    )
+    metrics = WorkerMetrics(collector)
+    with contextlib.suppress(Exception):
+        endpoint.metrics.register_prometheus_expfmt_callback(metrics.expfmt)
+    if config.metrics_port is not None:
+        port = metrics.serve(config.metrics_port)
+        log.info("Prometheus metrics on port %d", port)
+
+    engine = None
+    serve_task: asyncio.Future[Any] | None = None
+    code: int = ExitCode.OK
+    try:
+        try:
+            engine = eng.start_engine(vllm_config, config.engine_args)
+        except Exception as exc:
+            log.error("engine failed to start: %s", _one_line(exc))
+            print(f"dynamo.vllm: error: engine failed to start: {_one_line(exc)}", file=sys.stderr)
+            return ExitCode.STARTUP_FAILED
+        capacity = eng.engine_capacity(engine.vllm_config)
+        model_config = engine.vllm_config.model_config
+        handler = RequestHandler(
+            engine,
+            config.disaggregation_mode,
+            tracker,
+            capacity.context_length,
+            model_config.get_diff_sampling_param(),
+        )
+        serve_task = asyncio.ensure_future(
+            endpoint.serve_endpoint(
+                handler.generate,
+                graceful_shutdown=True,
+                metrics_labels=[("model", config.served_model_name)],
+                health_check_payload=HEALTH_CHECK_PAYLOAD,
+            )
+        )
+        model_path = (
+            config.model
+            if not os.path.isdir(os.path.expanduser(config.model))
+            else os.path.abspath(os.path.expanduser(config.model))
+        )
+        await registration.register(
+            endpoint,
+            config.disaggregation_mode,
+            model_path,
+            config.served_model_name,
+            capacity,
+            config.custom_jinja_template,
+        )
+        readiness.set(True)
+        log.info(
+            "ready: %s (%s), %d KV blocks of %d tokens",
+            config.served_model_name,
+            worker_id,
+            capacity.total_kv_blocks,
+            capacity.block_size,
+        )
+
+        stop_wait = loop.create_task(stop.wait())
+        dead_wait = loop.create_task(wait_engine_dead(engine))
+        done, _ = await asyncio.wait({stop_wait, dead_wait, serve_task}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (stop_wait, dead_wait):
+            task.cancel()
+        readiness.set(False)
+        if stop_wait in done:
+            log.info("signal received: draining (grace period %.1f s)", config.drain_timeout_s)
+            report = await drain(
+                tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
+            )
+            log.info(
+                "drained: unregistered in %.3f s, waited %.2f s for %d request(s), aborted %d",
+                report.unregister_s,
+                report.waited_s,
+                report.inflight_at_start,
+                report.aborted,
+            )
+            code = report.exit_code
+        else:
+            log.error("engine died or the endpoint stopped serving; exiting")
+            with contextlib.suppress(Exception):
+                await registration.unregister(endpoint)
+            code = ExitCode.ENGINE_DIED
+    finally:
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.shutdown()
+        with contextlib.suppress(Exception):
+            runtime.shutdown()
+        if serve_task is not None:
+            serve_task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(serve_task, 5.0)
+        metrics.close()
+        shutil.rmtree(stats_dir, ignore_errors=True)
+    return int(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (see ``drain.ExitCode``)."""
+    _setup_logging()
+    # The Dynamo runtime starts threads; a forked EngineCore would inherit them half-copied.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    config = parse_args(argv)
+    vllm_config = prepare(config)
+    try:
+        return asyncio.run(serve(config, vllm_config))
+    except Exception as exc:
+        log.exception("worker failed")
+        print(f"dynamo.vllm: error: {_one_line(exc)}", file=sys.stderr)
+        return ExitCode.STARTUP_FAILED

