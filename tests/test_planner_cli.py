@@ -305,3 +305,11 @@ async def test_failed_apply_is_retried_next_interval() -> None:
     assert conn.calls == [(1, 2), (1, 2)]
     assert metrics.apply_errors._value.get() == 1
     await asyncio.sleep(0)
+
+
+def test_example_config_is_valid() -> None:
+    from dynamo.planner.config import config_from_mapping, load_config_arg
+
+    path = Path(__file__).resolve().parent.parent / "components/src/dynamo/planner/examples/planner.yaml"
+    cfg = config_from_mapping(load_config_arg(str(path)))
+    assert (cfg.connector, cfg.kubernetes.deployment, cfg.gpu_budget) == ("kubernetes", "llm-disagg", 8)

@@ -31,7 +31,7 @@ EXIT_OK, EXIT_CONFIG, EXIT_SERVICE = 0, 2, 3
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config file (YAML/JSON) or inline JSON/YAML text")
-    p.add_argument("--namespace", help="Dynamo namespace (default: dynamo)")
+    p.add_argument("--namespace", help="Dynamo namespace (default: env DYN_NAMESPACE, else dynamo)")
     p.add_argument("--interval", type=float, dest="interval_s", help="seconds between decisions (default: 5)")
     p.add_argument(
         "--target",
@@ -123,6 +123,8 @@ def effective_config(args: argparse.Namespace) -> PlannerConfig:
     if k8s:
         over["kubernetes"] = k8s
     data = merge(data, over)
+    if "namespace" not in data and os.environ.get("DYN_NAMESPACE"):
+        data["namespace"] = os.environ["DYN_NAMESPACE"]
     if "tui" not in data and args.command in (None, "run"):
         data["tui"] = sys.stderr.isatty() and not data.get("json_stdout", False)
     return config_from_mapping(data)
