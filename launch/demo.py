@@ -78,12 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the load, seconds to wait for both pools to return to their minimum (default 150)",
     )
     p.add_argument(
+        "--run-id",
+        default=None,
+        help="marker put into every started process's environment as DEMO_RUN_ID, so tests and scripts "
+        "can find them (default: random)",
+    )
+    p.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="full-screen live view (default: on when stdout is a terminal, else one status line every 10 s)",
     )
-    return p  # fmt: skip
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo = DemoRun(
         cfg,
-        run_id=uuid.uuid4().hex[:12],
+        run_id=args.run_id or uuid.uuid4().hex[:12],
         live=args.live,
         startup_timeout_s=args.startup_timeout,
         settle_timeout_s=args.settle_timeout,

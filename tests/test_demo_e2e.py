@@ -1,0 +1,97 @@
+"""The shortened real demo, end to end: tiny model, nats-server, Dynamo's frontend, a prefill and a decode
+vLLM worker with NIXL KV transfer on CPU, the planner with its local connector, the decode-heavy load.
+
+Asserted from the planner's own decision log: the decode pool scaled up during the burst, the prefill pool
+never scaled up, both pools ended at their minimum; and no process of the demo is left afterwards.
+Takes about 4-7 minutes on 2 cores (two workers start in 50-110 s, a third one when decode scales up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from demo_support import LAUNCH
+
+# isort: split
+from demo_lib.signals import parse_decision_line
+from demo_lib.supervisor import pids_with_marker
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.runtime]
+
+DEMO_TIMEOUT_S = 465  # the whole shortened demo, start to clean-up; the test's budget is 8 minutes
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 15)
+def test_shortened_demo_scales_decode_not_prefill_and_cleans_up(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_id = f"e2e-{os.getpid()}-{time.monotonic_ns()}"
+    argv = [
+        sys.executable, str(LAUNCH / "demo.py"),
+        "--duration", "120", "--intensity", "1.0",
+        "--run-dir", str(run_dir), "--run-id", run_id, "--no-live",
+        "--planner-interval", "2", "--scale-down-window", "12",
+        "--startup-timeout", "240", "--settle-timeout", "150",
+    ]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=DEMO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the demo's own clean-up path
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"the demo did not finish within {DEMO_TIMEOUT_S} s:\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    elapsed = time.monotonic() - started
+    print(f"shortened demo took {elapsed:.0f} s")
+    assert proc.returncode == 0, f"demo exited {proc.returncode}:\n{out[-4000:]}"
+
+    # No process of the demo is left (the marker is inherited by everything it started, grandchildren too).
+    time.sleep(0.5)
+    assert pids_with_marker(run_id) == [], "processes of the demo are still running"
+
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    burst_start, burst_end = verdict["burst"]
+    decisions = [
+        d
+        for d in (
+            parse_decision_line(json.loads(line))
+            for line in (run_dir / "decisions.jsonl").read_text().splitlines()
+        )
+        if d is not None
+    ]
+    assert decisions, "the planner logged no decision"
+    actions = [d for d in decisions if d.is_action]
+    summary = "\n".join(
+        f"+{d.t - burst_start:.0f}s {d.pool} {d.current}->{d.desired} {d.reason}" for d in actions
+    )
+
+    decode_ups = [d for d in actions if d.pool == "decode" and d.direction > 0]
+    assert decode_ups, f"decode never scaled up:\n{summary}\n{out[-3000:]}"
+    assert burst_start <= decode_ups[0].t <= burst_end + 30, f"decode scaled up outside the burst:\n{summary}"
+    assert not [d for d in actions if d.pool == "prefill" and d.direction > 0], (
+        f"prefill scaled up:\n{summary}"
+    )
+
+    last = {d.pool: d for d in decisions}
+    assert last["decode"].desired == 1 and last["prefill"].desired == 1, f"not back at minimum:\n{summary}"
+    assert any(d.pool == "decode" and d.direction < 0 and d.t > burst_end - 5 for d in actions), summary
+
+    assert verdict["passed"], "\n".join(verdict["lines"])
+    html = (run_dir / "report" / "report.html").read_text()
+    assert html.count("<svg") == 5 and "Verdict: PASS" in html
+    assert len(list((run_dir / "report").glob("*.png"))) == 5
+    assert verdict["latency"]["burst"]["requests"] > 0
+    for name in ("frontend", "worker-prefill", "worker-decode", "planner", "nats"):
+        assert (run_dir / "logs" / f"{name}.log").exists()
