@@ -169,3 +169,30 @@ def test_dockerfile_copies_the_project_and_launch_scripts() -> None:
         for path in ("pyproject.toml", "lib", "components", "launch"):
             assert re.search(rf"^COPY {path}\b", text, re.M), f"{name} does not copy {path}"
         assert "import vllm, nixl, dynamo.llm" in text  # the build fails early if an import breaks
+
+
+# ---- Kubernetes example ----------------------------------------------------------------------------
+K8S = REPO / "container" / "k8s" / "dgd-disagg-planner.yaml"
+
+
+def test_dgd_example_fits_the_planners_kubernetes_connector() -> None:
+    docs = [d for d in yaml.safe_load_all(K8S.read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert {"ServiceAccount", "Role", "RoleBinding", "DynamoGraphDeployment"} <= set(kinds)
+    rule = kinds["Role"]["rules"][0]
+    assert rule["resources"] == ["dynamographdeployments"] and {"get", "patch"} <= set(rule["verbs"])
+    dgd = kinds["DynamoGraphDeployment"]
+    from dynamo.planner.connector_kubernetes import desired_replicas
+
+    assert desired_replicas(dgd, "prefill") == 1 and desired_replicas(dgd, "decode") == 1
+    problems = []
+    for comp in dgd["spec"]["components"]:
+        container = comp["podTemplate"]["spec"]["containers"][0]
+        problems += [f"{comp['name']}: {p}" for p in check_command(container["command"])]
+        if comp["name"] in ("prefill", "decode"):
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert not problems, "\n".join(problems)
+    planner = next(c for c in dgd["spec"]["components"] if c["name"] == "planner")
+    cmd = planner["podTemplate"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--k8s-deployment") + 1] == dgd["metadata"]["name"]
+    assert planner["podTemplate"]["spec"]["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
