@@ -313,3 +313,53 @@ def test_example_config_is_valid() -> None:
     path = Path(__file__).resolve().parent.parent / "components/src/dynamo/planner/examples/planner.yaml"
     cfg = config_from_mapping(load_config_arg(str(path)))
     assert (cfg.connector, cfg.kubernetes.deployment, cfg.gpu_budget) == ("kubernetes", "llm-disagg", 8)
+
+
+class CardSource:
+    """Stand-in for the runtime's model card view (edge case: a worker leaves discovery)."""
+
+    def __init__(self, caps: dict[str, Any]) -> None:
+        self.caps = caps
+
+    def poll(self, default_block_size: int | None = None) -> dict[str, Any]:
+        return dict(self.caps)
+
+
+async def test_cards_give_capacity_and_a_worker_that_left_discovery_is_dropped() -> None:
+    from dynamo.planner.connector_base import DryRunConnector
+    from dynamo.planner.observations import Capacity
+
+    t = [0.0]
+    cards = CardSource(
+        {"d0": Capacity(kv_tokens=5000, source="card"), "d1": Capacity(kv_tokens=5000, source="card")}
+    )
+    planner = Planner(
+        config(capacity={"context_length": 1000}),
+        DryRunConnector(),
+        clock=lambda: t[0],
+        cards={"decode": cards},
+    )
+    for wid in ("d0", "d1"):
+        planner.book.ingest("decode", rec(wid, s_decode=2, s_decode_kv=4000), 0.0)
+    planner.book.ingest("prefill", PREFILL, 0.0)
+    d = await planner.tick()
+    assert d.decode.signals["loads"]["max"] == 0.8  # 4000 / 5000 from the card, not 10000 from config
+    del cards.caps["d1"]
+    t[0] = 1.0
+    d = await planner.tick()
+    assert d.decode.signals["workers"] == 1  # dropped at once, not after stale_after_s
+
+
+def test_tui_render() -> None:
+    from dynamo.planner.observations import WorkerBook
+    from dynamo.planner.policy import PolicyState, decide
+    from dynamo.planner.tui import render
+
+    cfg = config()
+    book = WorkerBook(cfg)
+    book.ingest("decode", BACKLOG, 0.0)
+    book.ingest("prefill", PREFILL, 0.0)
+    d, _ = decide(book.observe(0.1), PolicyState(), cfg)
+    screen = render(d, ConnectorStatus(settled=True), book.stats, connector="virtual", tick=7)
+    assert "tick 7" in screen and "decode: decode load 1.15 over 1" in screen
+    assert screen.count("\n") < 20

@@ -136,6 +136,19 @@ def test_below_minimum_steps_up() -> None:
     assert "below min_replicas 1" in d.prefill.reason
 
 
+def test_consolidation_removes_all_ranks_of_a_worker() -> None:
+    """Two workers with two dp ranks each: removing a worker removes two engines."""
+    cfg = config(scale_down_window_s=0.0)
+    # Four engines at 0.35: spread over the two engines left after removing a worker -> 0.7 < 0.8.
+    low = [rec(f"d{w}", dp_rank=r, s_decode=1, s_decode_kv=3500) for w in range(2) for r in range(2)]
+    d, _ = decide(obs(0.0, [heartbeat("p0")], low), PolicyState(), cfg)
+    assert d.decode.action == "scale_down" and "on 2 engines 0.70" in d.decode.reason
+    # At 0.45 each, two engines would carry 0.9 >= 0.8: stay (with 3 engines it would wrongly look fine).
+    mid = [rec(f"d{w}", dp_rank=r, s_decode=1, s_decode_kv=4500) for w in range(2) for r in range(2)]
+    d, _ = decide(obs(0.0, [heartbeat("p0")], mid), PolicyState(), cfg)
+    assert d.decode.action == "hold" and "would be 0.90" in d.decode.reason
+
+
 def test_malformed_records_are_rejected_and_reported() -> None:
     cfg = config()
     book = WorkerBook(cfg)
@@ -262,12 +275,13 @@ class Sim:
     pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # pool -> (target, ticks left)
     history: list[Decision] = field(default_factory=list)
     max_gpus: int = 0
+    silent_drain: bool = False  # a draining replica stops publishing at once (still holds its GPUs)
 
     def running(self, name: str) -> int:
         return getattr(self, name)
 
     def records(self, name: str, demand: float) -> list:
-        n = self.running(name)
+        n = self.reported(name) if self.silent_drain else self.running(name)
         if n == 0:
             return []
         share = demand / n
@@ -278,11 +292,20 @@ class Sim:
             ]
         return [rec(f"d{i}", s_decode=1 if share else 0, s_decode_kv=int(share * KV)) for i in range(n)]
 
+    def reported(self, name: str) -> int:
+        """Replicas as a local connector reports them: a draining replica is no longer counted."""
+        n = self.running(name)
+        if name in self.pending and self.pending[name][0] < n:
+            return self.pending[name][0]
+        return n
+
     def tick(self, prefill_demand: float, decode_demand: float) -> Decision:
         o = obs(
             self.t,
             self.records("prefill", prefill_demand),
             self.records("decode", decode_demand),
+            prefill_replicas=self.reported("prefill"),
+            decode_replicas=self.reported("decode"),
             settled=not self.pending,
         )
         d, self.state = decide(o, self.state, self.cfg)
@@ -356,13 +379,14 @@ def test_replica_that_never_becomes_ready_is_abandoned() -> None:
     assert sim.decode == 1
 
 
-def test_budget_limited_rebalance_never_exceeds_budget() -> None:
+@pytest.mark.parametrize("silent_drain", [False, True])
+def test_budget_limited_rebalance_never_exceeds_budget(silent_drain: bool) -> None:
     cfg = config(
         gpu_budget=4,
         prefill={"min_replicas": 1, "max_replicas": 4},
         decode={"min_replicas": 1, "max_replicas": 4},
     )
-    sim = Sim(cfg, prefill=2, decode=2, delay=2)
+    sim = Sim(cfg, prefill=2, decode=2, delay=2, silent_drain=silent_drain)
     d = sim.tick(0.1, 3.0)  # prefill nearly idle, decode overloaded
     assert d.decode.action == "hold" and "rebalancing from prefill" in d.decode.reason
     assert d.prefill.action == "scale_down" and d.prefill.reason.startswith("rebalance")
@@ -388,14 +412,17 @@ def test_budget_blocks_when_other_pool_cannot_give() -> None:
     p0=st.integers(1, 4),
     d0=st.integers(1, 4),
     delay=st.integers(0, 3),
+    silent=st.booleans(),
 )
 def test_random_traffic_respects_bounds_and_budget(
-    loads: list[tuple[float, float]], budget: int, p0: int, d0: int, delay: int
+    loads: list[tuple[float, float]], budget: int, p0: int, d0: int, delay: int, silent: bool
 ) -> None:
     if p0 + d0 > budget:
         budget = p0 + d0
     cfg = config(gpu_budget=budget)
-    sim = run(Sim(cfg, prefill=p0, decode=d0, delay=delay), len(loads), lambda i: loads[i])
+    sim = run(
+        Sim(cfg, prefill=p0, decode=d0, delay=delay, silent_drain=silent), len(loads), lambda i: loads[i]
+    )
     assert sim.max_gpus <= budget
     for d in sim.history:
         for pd in (d.prefill, d.decode):

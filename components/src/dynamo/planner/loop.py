@@ -55,6 +55,7 @@ class Planner:
         self.commands: list[tuple[float, int, int]] = []  # (clock, prefill, decode) sent
         self._restarts: dict[Any, int] = {}
         self._listeners: list[Callable[[Decision], None]] = []
+        self._carded: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ observe
     def on_record(self, worker: Any, subject: str = "") -> None:
@@ -75,9 +76,16 @@ class Planner:
         self._listeners.append(fn)
 
     def _poll_cards(self) -> None:
+        """Capacity from model cards; a worker whose card vanished left discovery: drop it now."""
         for pool, source in self.cards.items():
-            for worker_id, cap in source.poll(self.cfg.capacity.kv_block_size).items():
+            caps = source.poll(self.cfg.capacity.kv_block_size)
+            for worker_id in self._carded.get(pool, set()) - caps.keys():
+                logger.info("%s worker %s left discovery", pool, worker_id)
+                self.book.set_card_capacity(pool, worker_id, None)
+                self.book.forget_worker(pool, worker_id)
+            for worker_id, cap in caps.items():
                 self.book.set_card_capacity(pool, worker_id, cap)
+            self._carded[pool] = set(caps)
 
     # ------------------------------------------------------------------ decide + act
     async def tick(self) -> Decision:
