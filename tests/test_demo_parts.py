@@ -168,14 +168,15 @@ def _sample(t: float, pool: str, worker: str, **kw: float) -> signals.FpmSample:
 
 
 def test_live_view_shows_engines_replicas_and_decisions() -> None:
-    state = load.LoadState(phase="burst", started=time.time() - 10, total_s=20, in_flight=7, done=3)
+    now = time.time()
+    state = load.LoadState(phase="burst", started=now - 10, total_s=20, in_flight=7, done=3)
     engines = [_sample(time.time(), "decode", "1234567890abcdef1234", queued_decode_requests=5,
                        kv_transfer_tokens=120, kv_ready_tokens=80)]  # fmt: skip
     decisions = [
         _d(time.time(), "decode", 1, 1, "hold"),
         _d(time.time(), "decode", 1, 2, "decode KV load 1.4"),
     ]
-    screen = live_view.render(state, engines, decisions, {"prefill": 1, "decode": 2}, t0=time.time() - 30)
+    screen = live_view.render(state, engines, decisions, {"prefill": 1, "decode": 2}, t0=now - 30, now=now)
     assert "phase: burst" in screen and "in flight   7" in screen
     assert "decode: 2" in screen and ">> " in screen and "decode KV load 1.4" in screen
     assert "120" in screen and "80" in screen
