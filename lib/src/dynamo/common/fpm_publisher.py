@@ -6,8 +6,9 @@ notify, a Rust call with ``allow_threads``) can cost the caller a whole 5 ms swi
 busy thread runs beside it, so the hand-off avoids it:
 
 * while records flow, a background thread (owning an asyncio loop on a ``select`` selector, which
-  honours sub-millisecond timeouts, and the nats-py connection) *polls* the queue every 0.25 ms and
+  honours sub-millisecond timeouts, and the nats-py connection) *polls* the queue every 0.2 ms and
   drains it in one batch: every record is encoded into one buffer handed to nats-py with one flush.
+  Polls are plain sleeps, with an event-loop turn (nats-py's reads and writes) at least every 5 ms.
   3 ms after the last record the poll period doubles up to 2 ms, so an engine stepping every few
   milliseconds never has to wake the sender;
 * after 1 s without records it *parks* on a lock (GIL released, no CPU); only the first
@@ -61,12 +62,13 @@ logger = logging.getLogger(__name__)
 
 # Sender timing (seconds). Fast polls while records flow keep publish-to-receive latency well under
 # a millisecond; the back-off keeps an idle engine's sender near zero CPU.
-POLL_ACTIVE = 0.00025  # while records flow (within ACTIVE_LINGER of the last one)
+POLL_ACTIVE = 0.0002  # while records flow (within ACTIVE_LINGER of the last one)
 ACTIVE_LINGER = 0.003
 POLL_WARM_MAX = 0.002  # then the poll period doubles up to this
 PARK_AFTER = 1.0  # after this long without records the sender parks until publish() wakes it
 PARK_MAX = 0.1  # longest the sender blocks its event loop while parked
 POLL_IDLE = 0.01  # while NATS is down
+LOOP_EVERY = 0.005  # polls between event-loop turns are plain sleeps; a loop turn at least this often
 BATCH_MAX = 8192  # one turn can send a whole default-size queue
 STATS_FILE_INTERVAL = 1.0
 CONNECT_TIMEOUT = 2
@@ -232,12 +234,14 @@ class FpmDirectPublisher:
         conn = _Connection(self)
         conn_task = asyncio.ensure_future(conn.run())
         next_stats = 0.0
-        last_sent = last_record = time.monotonic()
+        last_sent = last_record = last_io = time.monotonic()
         poll = POLL_ACTIVE
         try:
             while True:
                 now = time.monotonic()
                 nc = conn.nc if self._connected else None
+                if nc is not None and not nc.is_connected:
+                    nc = None  # going down: keep the records queued for the next connection
                 if nc is not None and self._q:
                     await self._drain(nc)
                     await asyncio.sleep(0)  # let nats-py's flusher write the batch
@@ -264,7 +268,11 @@ class FpmDirectPublisher:
                 if quiet < PARK_AFTER:
                     # Records flowed recently: poll (no wake-up ever costs the caller anything).
                     poll = POLL_ACTIVE if quiet < ACTIVE_LINGER else min(POLL_WARM_MAX, poll * 2)
-                    await asyncio.sleep(poll)
+                    if now - last_io < LOOP_EVERY:
+                        time.sleep(poll)  # a lean poll: half the CPU of an event-loop turn
+                    else:
+                        await asyncio.sleep(poll)  # let nats-py read and write (PINGs, errors)
+                        last_io = now
                     continue
                 # Idle for a while: park this thread (GIL released, no CPU) until publish() wakes it
                 # or the next timer (heartbeat, stats file, PARK_MAX for nats-py's own I/O) is due.
