@@ -135,3 +135,36 @@ _DEFAULT = re.compile(r"\$\{([A-Z0-9_]+)(?::?-([^}]*))?\}")
 def compose_defaults(value: str) -> str:
     """Compose/shell-style ``${VAR:-default}`` -> default (``${VAR}`` -> empty)."""
     return _DEFAULT.sub(lambda m: m.group(2) or "", value)
+
+
+# ---- a whole demo run on fake components (real supervisor, real nats-server, fake model/workers/planner) --
+SLEEPER = "import time\nwhile True: time.sleep(1)\n"
+FAILING_WORKER = "import sys, time\nprint('loading model ...', flush=True)\ntime.sleep(1.5)\nprint('fatal: KV cache does not fit', flush=True)\nsys.exit(7)\n"
+
+
+def fake_stack(monkeypatch_setattr, tmp: Path, *, failing_worker: bool = False) -> None:
+    """Point the demo's stack commands at fake processes (``monkeypatch_setattr`` = monkeypatch.setattr)."""
+    from demo_lib import load, stack
+
+    py = sys.executable
+    server = write_script(tmp, "fake_openai.py", FAKE_OPENAI_SERVER)
+    planner = write_script(tmp, "fake_planner.py", FAKE_PLANNER)
+    sleeper = write_script(tmp, "sleeper.py", SLEEPER)
+    failing = write_script(tmp, "failing.py", FAILING_WORKER)
+    monkeypatch_setattr(
+        stack, "model_argv", lambda cfg: [py, "-c", f"import os; os.makedirs({str(cfg.model_dir)!r})"]
+    )
+    monkeypatch_setattr(stack, "watch_argv", lambda cfg: [py, str(sleeper)])
+    monkeypatch_setattr(stack, "frontend_argv", lambda cfg: [py, str(server), str(cfg.http_port), "0.001"])
+    monkeypatch_setattr(
+        stack, "worker_argv",
+        lambda cfg, mode: [py, str(failing if failing_worker and mode == "decode" else sleeper), mode],
+    )  # fmt: skip
+    monkeypatch_setattr(
+        stack, "planner_argv", lambda cfg: [py, str(planner), str(cfg.decision_path), "1.5", "2.0"]
+    )
+    monkeypatch_setattr(
+        stack, "load_phases",
+        lambda d, i: [load.Phase("warmup", 0.5, 1, max_tokens=4), load.Phase("burst", 2.0, 4, max_tokens=8),
+                      load.Phase("idle", 1.0, 0)],
+    )  # fmt: skip
