@@ -127,7 +127,7 @@ class FpmDirectPublisher:
         self.publisher_id = _new_publisher_id()
         self._pub_head = f"PUB {self.subject} ".encode()
         self._raw_frames = True  # set per connection: does this nats-py have the internals we use?
-        # Hot path state: publish() touches only these two.
+        # Hot path state: publish() touches only the queue, the arrival counter and the park flag.
         self._q: collections.deque[tuple[int, Any]] = collections.deque(maxlen=max_queue)
         self._arrivals = itertools.count()
         self._idle_record: ForwardPassMetrics | None = ForwardPassMetrics(
