@@ -351,7 +351,10 @@ async def test_virtual_connector_round_trip(monkeypatch: pytest.MonkeyPatch, etc
         while not (await c.status()).settled:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+        st = await c.status()
+        assert (st.prefill, st.decode) == (2, 3)  # acknowledged targets count as replicas
         await c.apply(None, 4)
+        assert (await c.status()).decode is None  # pending: unknown until acknowledged
         await asyncio.wait_for(client.wait(), 10)
         d = await client.get()
         assert (d.num_prefill_workers, d.num_decode_workers) == (2, 4)

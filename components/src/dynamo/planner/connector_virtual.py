@@ -2,8 +2,8 @@
 
 Decisions go out through the runtime's ``VirtualConnectorCoordinator`` (state in the runtime's etcd
 under the namespace); an orchestrator reads them with ``VirtualConnectorClient.get()``, scales, and
-calls ``complete()``. ``settled`` is the coordinator's ``is_scaling_ready()``. The coordinator holds
-targets, not observations, so replicas come from the workers seen publishing.
+calls ``complete()``. ``settled`` is the coordinator's ``is_scaling_ready()``. Replicas are the last
+acknowledged targets; before the first acknowledgement, the workers seen publishing.
 """
 
 from __future__ import annotations
@@ -37,9 +37,20 @@ class VirtualConnector:
         return s.num_prefill_workers, s.num_decode_workers, s.decision_id
 
     async def status(self) -> ConnectorStatus:
+        """Replicas = the last *acknowledged* targets; before any (or while one is pending), unknown.
+
+        Unknown makes the loop use the workers seen publishing. Known acknowledged targets keep a
+        NATS outage (every worker silent) from reading as "zero replicas, below minimum".
+        """
         p, d, decision = self.targets()
         ready = bool(await self.coord.is_scaling_ready())
-        return ConnectorStatus(None, None, ready, f"decision {decision}: prefill {p}, decode {d}")
+        known = ready and decision >= 0
+        return ConnectorStatus(
+            p if known and p >= 0 else None,
+            d if known and d >= 0 else None,
+            ready,
+            f"decision {decision}: prefill {p}, decode {d}",
+        )
 
     async def apply(self, prefill: int | None, decode: int | None) -> None:
         await self.coord.update_scaling_decision(prefill, decode)
