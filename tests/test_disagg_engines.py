@@ -1,13 +1,22 @@
-"""Prefill/decode disaggregation between two real CPU engines over vLLM's NixlConnector (about a minute).
+"""Prefill/decode disaggregation between two real CPU engines over vLLM's NixlConnector (1-2 minutes).
 
 The prefill engine runs each prompt with ``kv_transfer_params={"do_remote_decode": true}`` and
 ``max_tokens=1``; the decode engine gets the returned ``kv_transfer_params`` and pulls the prompt's KV
 from the prefill engine's memory through NIXL (UCX). The aggregated reference runs on the prefill
 engine as a plain request, so the decode engine never holds those prompts in its own prefix cache.
+The decode engine runs ``InstrumentedScheduler`` (as the Dynamo decode worker does) and publishes its
+forward-pass metrics to a real nats-server.
+
+Holding a transfer: a prefill engine stopped (SIGSTOP) before the decode engine's *first* pull from it
+cannot answer the decode side's NIXL handshake, so the pull cannot finish and the request stays parked
+in ``WAITING_FOR_REMOTE_KVS`` (later pulls read the prefill engine's memory directly and do not need
+it running). Tests that need this get a prefill engine the decode engine has never pulled from.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import signal
 import time
@@ -20,6 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+import nats
 from disagg_support import (
     KV_LEASE_S,
     EngineProcess,
@@ -28,32 +38,69 @@ from disagg_support import (
     start_engines,
     wait_for_state,
 )
-from dynamo.common.nats_server import free_port
+from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode
+from dynamo.common.fpm_subjects import DECODE_COMPONENT, decode_envelope, fpm_subject
+from dynamo.common.nats_server import EmbeddedNatsServer, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # Around every block boundary (block size 32) and up to 200 tokens.
 PROMPT_LENGTHS = [6, 31, 32, 33, 64, 70, 96, 129, 200]
 GEN_TOKENS = 16
+NAMESPACE = "disaggengines"
+WORKER_ID = "decode-under-test"
+HOLD_S = 2.5  # below the NIXL handshake's 5 s receive timeout
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def engines(
+    tiny_model_dir: Path, nats_server: EmbeddedNatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     """Prefill + decode engines; a test may replace the prefill engine (teardown closes what is there)."""
     log_dir = tmp_path_factory.mktemp("disagg-engines")
-    prefill, decode = start_engines(
+    fpm_env = {
+        "NATS_SERVER": nats_server.url,
+        "DYN_NAMESPACE": NAMESPACE,
+        "DYN_FPM_COMPONENT": DECODE_COMPONENT,
+        "DYN_FPM_WORKER_ID": WORKER_ID,
+    }
+    prefill, decode_engine = start_engines(
         [
             EngineSpec("prefill", tiny_model_dir, "kv_producer", free_port()),
-            EngineSpec("decode", tiny_model_dir, "kv_consumer", free_port()),
+            EngineSpec(
+                "decode",
+                tiny_model_dir,
+                "kv_consumer",
+                free_port(),
+                scheduler_cls="dynamo.vllm.instrumented_scheduler.InstrumentedScheduler",
+                env=fpm_env,
+            ),
         ],
         log_dir,
     )
-    held: dict[str, Any] = {"prefill": prefill, "decode": decode, "log_dir": log_dir, "model": tiny_model_dir}
+    held: dict[str, Any] = {
+        "prefill": prefill,
+        "decode": decode_engine,
+        "paired": False,  # has the decode engine pulled from this prefill engine yet?
+        "log_dir": log_dir,
+        "model": tiny_model_dir,
+    }
     try:
         yield held
     finally:
         for key in ("prefill", "decode"):
             held[key].close()
+
+
+def _unpaired_prefill(engines: dict[str, Any], name: str) -> EngineProcess:
+    """A prefill engine the decode engine has never pulled from (a new one if needed)."""
+    if engines["paired"]:
+        engines["prefill"].close()
+        (engines["prefill"],) = start_engines(
+            [EngineSpec(name, engines["model"], "kv_producer", free_port())], engines["log_dir"]
+        )
+        engines["paired"] = False
+    return engines["prefill"]
 
 
 def _prefill(prefill: EngineProcess, rid: str, ids: list[int]) -> dict[str, Any]:
@@ -64,8 +111,91 @@ def _prefill(prefill: EngineProcess, rid: str, ids: list[int]) -> dict[str, Any]
     return params
 
 
+FPM_PROMPT_LENGTHS = (40, 100, 200)
+
+
+async def test_requests_waiting_for_real_transfers_are_queued_decode_then_scheduled(
+    engines: dict[str, Any], nats_server: EmbeddedNatsServer
+) -> None:
+    """Runs first (its prefill engine must be unpaired; a new one is started otherwise)."""
+    prefill, decode_engine = _unpaired_prefill(engines, "prefill-fpm"), engines["decode"]
+    engines["paired"] = True
+    records: list[tuple[float, ForwardPassMetrics]] = []
+
+    async def on_msg(msg: Any) -> None:
+        record = decode(decode_envelope(msg.data).payload)
+        if record is not None and record.worker_id == WORKER_ID:
+            records.append((time.monotonic(), record))
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.subscribe(fpm_subject(NAMESPACE, DECODE_COMPONENT), cb=on_msg)
+        await nc.flush()
+        prompts = {n: prompt_ids(n, seed=500 + n) for n in FPM_PROMPT_LENGTHS}
+        params = {}
+        for n, ids in prompts.items():
+            out = await asyncio.to_thread(
+                prefill.generate, f"pre-{n}", ids, 1, kv_transfer_params={"do_remote_decode": True}
+            )
+            params[n] = out["kv_transfer_params"]
+        kv_total = sum(FPM_PROMPT_LENGTHS)  # the whole prompt's KV comes from the prefill engine
+
+        os.kill(prefill.pid, signal.SIGSTOP)
+        try:
+            t_submit = time.monotonic()
+            for n, ids in prompts.items():
+                decode_engine.submit(f"dec-{n}", ids, 8, kv_transfer_params=params[n])
+            state = await asyncio.to_thread(
+                wait_for_state,
+                decode_engine,
+                lambda s: sum(v == "WAITING_FOR_REMOTE_KVS" for v in s["waiting"].values()) == 3,
+            )
+            assert len(state["waiting"]) == 3
+            await asyncio.sleep(max(0.0, t_submit + HOLD_S - time.monotonic()))
+            state = await asyncio.to_thread(decode_engine.call, "state")
+            assert sum(v == "WAITING_FOR_REMOTE_KVS" for v in state["waiting"].values()) == 3, state
+        finally:
+            t_resume = time.monotonic()
+            os.kill(prefill.pid, signal.SIGCONT)
+        results = [await asyncio.to_thread(decode_engine.result, f"dec-{n}") for n in FPM_PROMPT_LENGTHS]
+        assert all(r["finish_reason"] == "length" for r in results), results
+        await asyncio.sleep(1.0)  # the last records
+    finally:
+        await nc.close()
+
+    def parked(rec: ForwardPassMetrics) -> bool:
+        q = rec.queued_requests
+        return (
+            q.num_decode_requests == 3
+            and q.sum_decode_kv_tokens == kv_total
+            and q.num_decode_kv_transfer_requests == 3
+            and q.sum_decode_kv_transfer_tokens == kv_total
+            and q.num_prefill_requests == 0
+        )
+
+    window = [(t, r) for t, r in records if t_submit <= t <= t_resume]
+    assert window, f"no records while the requests waited ({len(records)} in all)"
+    first_parked = next((t for t, r in window if parked(r)), None)
+    assert first_parked is not None, [r.queued_requests for _, r in window]
+    assert first_parked - t_submit < 1.0, (
+        f"first queued-decode record {first_parked - t_submit:.2f}s after submit"
+    )
+    # For as long as they wait: every record says so, and records keep coming (no silent second).
+    steady = [(t, r) for t, r in window if t >= first_parked]
+    assert all(parked(r) for _, r in steady), [r.queued_requests for _, r in steady if not parked(r)]
+    times = [first_parked] + [t for t, _ in steady] + [t_resume]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 1.0
+    # Once the KV arrived: scheduled as decode, nothing queued.
+    after = [r for t, r in records if t > t_resume]
+    promoted = [r for r in after if r.scheduled_requests.num_decode_requests == 3]
+    assert promoted, [r.scheduled_requests for r in after]
+    assert promoted[0].queued_requests.num_decode_requests == 0
+    assert promoted[0].scheduled_requests.num_prefill_requests == 0
+
+
 def test_disaggregated_greedy_output_equals_aggregated(engines: dict[str, Any]) -> None:
     prefill, decode = engines["prefill"], engines["decode"]
+    engines["paired"] = True
     prompts = {n: prompt_ids(n, seed=n) for n in PROMPT_LENGTHS}
     reference = {n: prefill.generate(f"agg-{n}", ids, GEN_TOKENS)["token_ids"] for n, ids in prompts.items()}
     params = {n: _prefill(prefill, f"pre-{n}", ids) for n, ids in prompts.items()}
@@ -86,6 +216,7 @@ def test_control_corrupted_kv_changes_the_output(engines: dict[str, Any]) -> Non
     (Reordering whole blocks would not do: attention does not depend on the order of the KV pairs.)
     """
     prefill, decode = engines["prefill"], engines["decode"]
+    engines["paired"] = True
     for n in (6, 100):
         ids = prompt_ids(n, seed=1000 + n)
         reference = prefill.generate(f"ctl-agg-{n}", ids, GEN_TOKENS)["token_ids"]
@@ -100,18 +231,13 @@ def test_control_corrupted_kv_changes_the_output(engines: dict[str, Any]) -> Non
 def test_prefill_killed_during_transfer_fails_the_request_and_decode_keeps_serving(
     engines: dict[str, Any],
 ) -> None:
-    """Runs last: replaces the prefill engine with a new one and kills it while the decode side pulls.
+    """Kills an unpaired prefill engine while the decode side's pull from it is held (see above).
 
-    The new prefill engine is stopped (SIGSTOP) before the decode engine's first request to it, so the
-    decode side's pull (handshake, then read) cannot finish; once the request is parked waiting for its
-    KV, the prefill engine is killed.
+    Runs last: later tests would need another prefill engine.
     """
     decode = engines["decode"]
-    engines["prefill"].close()
-    (victim,) = start_engines(
-        [EngineSpec("prefill-victim", engines["model"], "kv_producer", free_port())], engines["log_dir"]
-    )
-    engines["prefill"] = victim
+    victim = _unpaired_prefill(engines, "prefill-victim")
+    engines["paired"] = True
     free_before = decode.call("state")["num_free_blocks"]
     ids = prompt_ids(150, seed=77)
     params = _prefill(victim, "kill-pre", ids)
