@@ -105,6 +105,10 @@ def make_charts(data: ReportData) -> list[tuple[str, Chart]]:
             pool_sum(data.samples, t0, "decode", lambda s: s.scheduled_decode_kv_tokens),
         ),
         Series(
+            "queued KV: all (incl. preempted)",
+            pool_sum(data.samples, t0, "decode", lambda s: s.queued_decode_kv_tokens),
+        ),
+        Series(
             "queued KV: transfer in flight",
             pool_sum(data.samples, t0, "decode", lambda s: s.kv_transfer_tokens),
         ),
@@ -123,7 +127,7 @@ def make_charts(data: ReportData) -> list[tuple[str, Chart]]:
         ("replicas", chart("Replicas per pool (dashed: planner actions)", replica_series(data.decisions, t0, data.minimum, end), "replicas")),
         ("prefill_queue", chart("Prefill pool: queued prefill tokens per engine", [Series(n, p) for n, p in prefill.items()], "tokens")),
         ("decode_queue", chart("Decode pool: queued decode requests per engine", [Series(n, p) for n, p in decode_q.items()], "requests")),
-        ("decode_kv", chart("Decode pool: KV tokens (running, queued in transfer, queued ready)", kv_series, "tokens")),
+        ("decode_kv", chart("Decode pool: KV tokens (running and queued)", kv_series, "tokens")),
         ("latency", chart("Request latency by start time", latency, "seconds")),
     ]  # fmt: skip
 

@@ -227,6 +227,9 @@ class Supervisor:
         for pid in pids_with_marker(self.run_id):
             if pid != me:
                 _signal_pid(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0  # SIGKILL is asynchronous: wait until they are gone
+        while time.monotonic() < deadline and any(p != me for p in pids_with_marker(self.run_id)):
+            time.sleep(0.05)
         return found
 
     def alive(self) -> Iterator[Managed]:
