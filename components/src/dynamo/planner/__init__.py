@@ -1,0 +1,1 @@
+"""The planner: FPM streams -> pure scaling policy -> connectors. See docs/planner.md."""
