@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats
 from dynamo.common.forward_pass_metrics import (
@@ -93,3 +96,50 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: f
             return True
         await asyncio.sleep(interval)
     return pred()
+
+
+class CustomNatsServer:
+    """A nats-server with extra flags (auth, TLS) on a free loopback port; a context manager."""
+
+    def __init__(self, *flags: str) -> None:
+        from dynamo.common.nats_server import find_nats_server, free_port
+
+        self.port = free_port()
+        self.cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), *flags]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> CustomNatsServer:
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.02)
+        self.__exit__()
+        raise TimeoutError("nats-server did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (its own CA) and its key, made with openssl."""
+    cert, key = directory / "server.pem", directory / "server.key"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-keyout", str(key), "-out", str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key

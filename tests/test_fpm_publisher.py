@@ -6,16 +6,25 @@ import asyncio
 import json
 import resource
 import socket
+import ssl
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, is_heartbeat
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 from dynamo.common.fpm_subjects import FPM_TOPIC, fpm_subject
+from dynamo.common.fpm_tracker import FpmTracker
+from dynamo.common.nats_options import (
+    nats_connect_options_from_env,
+    nats_servers,
+    nats_url_from_env,
+    redact_url,
+)
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
-from fpm_support import Collector, full_record, wait_until
+from fpm_support import Collector, CustomNatsServer, full_record, self_signed_cert, wait_until
 
 NS = "pubtest"
 
@@ -369,3 +378,86 @@ def test_flood_does_not_starve_the_sender(nats_server: EmbeddedNatsServer) -> No
     assert during >= 10_000, st
     assert st.published + st.dropped == offered and st.queued == 0
     assert st.dropped > 0  # the flood outran the sender: drops happened and were counted
+
+
+# ----------------------------------------------------------------------------- NATS options (auth, TLS)
+
+
+def test_nats_options_from_env(tmp_path: Path) -> None:
+    assert nats_url_from_env({}) == "nats://localhost:4222"
+    assert nats_url_from_env({"NATS_SERVER": " nats://a:1 "}) == "nats://a:1"
+    assert nats_servers("nats://a:1, nats://b:2") == ["nats://a:1", "nats://b:2"]
+    assert nats_connect_options_from_env({}) == {}
+    opts = nats_connect_options_from_env({"NATS_USER": "u", "NATS_PASSWORD": "p", "NATS_TOKEN": "t"})
+    assert opts == {"user": "u", "password": "p", "token": "t"}
+    creds = tmp_path / "x.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    assert nats_connect_options_from_env({"NATS_CREDS": str(creds)}) == {"user_credentials": str(creds)}
+    with pytest.raises(ValueError, match="NATS_CREDS"):
+        nats_connect_options_from_env({"NATS_CREDS": str(tmp_path / "missing.creds")})
+    with pytest.raises(ValueError, match="without NATS_USER"):
+        nats_connect_options_from_env({"NATS_PASSWORD": "p"})
+    with pytest.raises(ValueError, match="together"):
+        nats_connect_options_from_env({"NATS_TLS_CERT": "c.pem"})
+    cert, key = self_signed_cert(tmp_path)
+    ctx = nats_connect_options_from_env(
+        {"NATS_TLS_CA": str(cert), "NATS_TLS_CERT": str(cert), "NATS_TLS_KEY": str(key)}
+    )["tls"]
+    assert isinstance(ctx, ssl.SSLContext) and ctx.verify_mode == ssl.CERT_REQUIRED
+    assert redact_url("nats://user:secret@h:1,tls://h2:2") == "nats://***@h:1,tls://h2:2"
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [
+        (("--user", "fpm", "--pass", "s3cret"), {"NATS_USER": "fpm", "NATS_PASSWORD": "s3cret"}),
+        (("--auth", "tok3n"), {"NATS_TOKEN": "tok3n"}),
+    ],
+    ids=["user-password", "token"],
+)
+async def test_auth_from_env(
+    flags: tuple[str, ...], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with CustomNatsServer(*flags) as server:
+        url = f"nats://127.0.0.1:{server.port}"
+        # Without credentials the server refuses: the publisher keeps trying, counts, never raises.
+        for var in ("NATS_USER", "NATS_PASSWORD", "NATS_TOKEN"):
+            monkeypatch.delenv(var, raising=False)
+        refused = make_pub(url, heartbeat_interval=60)
+        refused.publish(full_record())
+        await asyncio.sleep(0.5)
+        st = refused.stats()
+        refused.close(timeout=0.2)
+        assert not st.connected and "uthorization" in (st.last_error or "")
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        auth_url = (
+            f"nats://{env['NATS_USER']}:{env['NATS_PASSWORD']}@127.0.0.1:{server.port}"
+            if "NATS_USER" in env
+            else f"nats://{env['NATS_TOKEN']}@127.0.0.1:{server.port}"
+        )
+        col = await Collector(auth_url, fpm_subject(NS, "backend")).start()
+        pub = make_pub(url, heartbeat_interval=60)
+        try:
+            pub.publish(full_record())
+            assert await wait_until(lambda: len(col.items) >= 1, timeout=5)
+        finally:
+            pub.close()
+            await col.stop()
+
+
+async def test_tls_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cert, key = self_signed_cert(tmp_path)
+    with CustomNatsServer("--tls", "--tlscert", str(cert), "--tlskey", str(key)) as server:
+        url = f"tls://127.0.0.1:{server.port}"
+        monkeypatch.setenv("NATS_TLS_CA", str(cert))
+        tracker = FpmTracker(NS, nats_url=url)
+        await tracker.start()
+        pub = make_pub(url, heartbeat_interval=60)
+        try:
+            pub.publish(full_record("tls-w"))
+            assert await wait_until(lambda: tracker.stats().accepted >= 1, timeout=5)
+            assert tracker.workers()[0].key.worker_id == "tls-w"
+        finally:
+            pub.close()
+            await tracker.stop()
