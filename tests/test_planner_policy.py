@@ -130,6 +130,15 @@ def test_silence_from_every_replica_is_not_idleness() -> None:
     assert "3 of 3 replicas not publishing" in d.decode.reason
 
 
+def test_above_maximum_steps_down() -> None:
+    decode = [rec(f"d{i}", s_decode=8, s_decode_kv=12000) for i in range(6)]  # overloaded, but over max 4
+    d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), config())
+    assert (d.decode.action, d.decode.desired) == (
+        "scale_down",
+        5,
+    ) and "above max_replicas 4" in d.decode.reason
+
+
 def test_below_minimum_steps_up() -> None:
     d, _ = decide(obs(0.0, [], [heartbeat("d0")], prefill_replicas=0), PolicyState(), config())
     assert (d.prefill.action, d.prefill.desired) == ("scale_up", 1)

@@ -303,6 +303,12 @@ def _draft(name: str, obs: Observation, st: PoolState, cfg: PlannerConfig) -> _D
     pc = cfg.pool(name)
     cur = pool.replicas
     sig: dict[str, Any] = {"replicas": cur, "workers": pool.workers, "engines": len(pool.engines)}
+    if pool.engines:
+        sources: dict[str, int] = {}
+        for e in pool.engines:
+            src = e.capacity.source
+            sources[src] = sources.get(src, 0) + 1
+        sig["capacity_from"] = sources
     if pool.rejected:
         sig["rejected_records"] = pool.rejected
 
@@ -334,10 +340,21 @@ def _draft(name: str, obs: Observation, st: PoolState, cfg: PlannerConfig) -> _D
             )
             return _Draft(name, pool, st, fl.target, "hold", why, sig)
 
-    # Below the minimum (a fresh deployment, a crashed replica): one step up, whatever the load.
+    # Outside [min, max] (a fresh deployment, a crashed replica, a changed limit): one step back in.
     if cur < pc.min_replicas:
         return _Draft(
             name, pool, st, cur + 1, "scale_up", f"{cur} replicas, below min_replicas {pc.min_replicas}", sig
+        )
+
+    if cur > pc.max_replicas:  # max lowered, or someone else scaled up: one step down
+        return _Draft(
+            name,
+            pool,
+            st,
+            cur - 1,
+            "scale_down",
+            f"{cur} replicas, above max_replicas {pc.max_replicas}",
+            sig,
         )
 
     # 2. Replicas vs publishing workers.
