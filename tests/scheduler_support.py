@@ -221,6 +221,7 @@ class NatsRecords:
     url: str
     subject: str
     records: list[Any] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -246,6 +247,7 @@ class NatsRecords:
             rec = decode(env.payload)
             with self._lock:
                 self.records.append(rec)
+                self.payloads.append(bytes(env.payload))
                 self.arrivals.append(time.monotonic())
 
         await nc.subscribe(self.subject, cb=on_msg)
@@ -327,3 +329,48 @@ def capturing_scheduler_cls() -> type:
             return ListPublisher(settings=settings, worker_id=worker_id, dp_rank=dp_rank)
 
     return CapturingScheduler
+
+
+# ------------------------------------------------------------------ a real engine (end-to-end tests)
+E2E_PROMPT_LENS = (23, 41, 57, 12, 88, 30)
+E2E_MAX_TOKENS = (9, 14, 5, 20, 7, 11)
+
+
+def e2e_prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 900 + 20 for j in range(n)] for i, n in enumerate(E2E_PROMPT_LENS)]
+
+
+def run_llm(model_dir: str) -> dict[str, Any]:
+    """Serve the e2e prompts concurrently on a real vLLM engine with the InstrumentedScheduler.
+
+    Returns what was processed: prompt and generated token counts per request.
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        block_size=32,
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+        scheduler_cls="dynamo.vllm.instrumented_scheduler.InstrumentedScheduler",
+    )
+    try:
+        params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in E2E_MAX_TOKENS]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in e2e_prompts()], params)
+        return {
+            "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
+            "generated_tokens": [len(o.outputs[0].token_ids) for o in outs],
+        }
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":  # the multiprocess e2e child: python scheduler_support.py MODEL_DIR OUT_JSON
+    import sys
+
+    result = run_llm(sys.argv[1])
+    Path(sys.argv[2]).write_text(json.dumps(result))
