@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import socket
 import ssl
@@ -180,11 +181,15 @@ async def test_nats_down_acceptance_100k_calls_fast_bounded_counted_then_resumes
         assert await wait_until(lambda: not pub.stats().connected, timeout=5)
         rec = full_record()
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         for _ in range(100_000):
             pub.publish(rec)
-        elapsed = time.perf_counter() - t0
-        assert elapsed < 0.2, f"100k publish() calls took {elapsed:.3f} s with NATS down"
+        elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        assert cpu < 0.2, f"100k publish() calls took {cpu:.3f} s of CPU with NATS down"
+        # Wall time is the acceptance figure; a machine running several times more threads than it has
+        # cores stretches it (our thread waits for a CPU), so only then is the bound relaxed.
+        overloaded = os.getloadavg()[0] > 2 * (os.cpu_count() or 1)
+        assert elapsed < (2.0 if overloaded else 0.2), f"100k publish() calls took {elapsed:.3f} s"
         st = pub.stats()
         assert st.queued == pub.max_queue
         assert st.dropped == 100_000 - pub.max_queue
@@ -221,7 +226,7 @@ async def test_nats_down_at_start_constructor_returns_at_once(kind: str) -> None
     try:
         t0 = time.perf_counter()
         pub = make_pub(url, heartbeat_interval=60)
-        assert time.perf_counter() - t0 < 0.5  # a thread start; the connect timeout is 2 s
+        assert time.perf_counter() - t0 < 1.0  # a thread start; a blocking connect would take 2 s
         try:
             t0 = time.perf_counter()
             for _ in range(10):
@@ -235,7 +240,7 @@ async def test_nats_down_at_start_constructor_returns_at_once(kind: str) -> None
         finally:
             t0 = time.perf_counter()
             pub.close(timeout=0.5)
-            assert time.perf_counter() - t0 < 2.0
+            assert time.perf_counter() - t0 < 2.5
         st = pub.stats()
         assert (st.published, st.dropped, st.queued) == (0, 10, 0)
     finally:
@@ -248,7 +253,7 @@ async def test_restart_mid_stream_caller_never_blocked(fresh_nats_server: Embedd
     url = fresh_nats_server.url
     pub = make_pub(url, heartbeat_interval=60)
     col = await Collector(url, fpm_subject(NS, "backend")).start()
-    durations: list[float] = []
+    calls: list[tuple[float, float]] = []  # (start, duration) of every publish()
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -257,7 +262,7 @@ async def test_restart_mid_stream_caller_never_blocked(fresh_nats_server: Embedd
             while not stop.is_set():
                 t0 = time.perf_counter()
                 pub.publish(full_record())
-                durations.append(time.perf_counter() - t0)
+                calls.append((t0, time.perf_counter() - t0))
                 time.sleep(0.002)
         except BaseException as exc:  # pragma: no cover - the assertion below reports it
             errors.append(exc)
@@ -268,7 +273,9 @@ async def test_restart_mid_stream_caller_never_blocked(fresh_nats_server: Embedd
         assert await wait_until(lambda: len(col.items) > 20)
         await col.stop()
         fresh_nats_server.stop()
+        down_from = time.perf_counter()
         await asyncio.sleep(1.0)
+        down_to = time.perf_counter()
         fresh_nats_server.start()
         col = await Collector(url, fpm_subject(NS, "backend")).start()
         assert await wait_until(lambda: len(col.items) > 20, timeout=5)
@@ -278,13 +285,14 @@ async def test_restart_mid_stream_caller_never_blocked(fresh_nats_server: Embedd
         pub.close()
         await col.stop()
     assert not errors
-    # Never waited on the network: a blocking hand-off would stall every call of the ~1 s outage.
-    # A loaded machine may preempt a call now and then, so allow a few slow ones.
-    assert len(durations) > 300
-    assert sum(d > 0.05 for d in durations) <= 3, sorted(durations)[-5:]
+    # Never waited on the network: a hand-off that blocks while NATS is down would make (almost) no
+    # calls during the 1 s outage; this one keeps its pace (~500 calls; fewer on a loaded machine).
+    during_outage = [d for t, d in calls if down_from <= t < down_to]
+    assert len(during_outage) >= 50, len(during_outage)
+    assert max(d for _, d in calls) < 0.5  # a preempted call, at worst; never a connect timeout
     # Every record is accounted for (the outage is shorter than the queue: normally nothing is dropped).
     st = pub.stats()
-    assert st.published + st.dropped == len(durations) and st.queued == 0
+    assert st.published + st.dropped == len(calls) and st.queued == 0
     assert st.reconnects >= 1 and st.connected is False
     counters = [r.counter_id for r in col.records()]
     assert counters == sorted(counters)

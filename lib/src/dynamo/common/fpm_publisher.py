@@ -70,6 +70,7 @@ PARK_MAX = 0.1  # longest the sender blocks its event loop while parked
 POLL_IDLE = 0.01  # while NATS is down
 LOOP_EVERY = 0.005  # polls between event-loop turns are plain sleeps; a loop turn at least this often
 BATCH_MAX = 8192  # one turn can send a whole default-size queue
+BACKLOG = 64  # this many queued after a drain: skip the poll sleep
 STATS_FILE_INTERVAL = 1.0
 CONNECT_TIMEOUT = 2
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
@@ -261,6 +262,8 @@ class FpmDirectPublisher:
                         await asyncio.sleep(0.01)  # still connecting: wait for it until the deadline
                         continue
                     break
+                if nc is not None and len(self._q) >= BACKLOG:
+                    continue  # a backlog: drain again at once (every sleep hands a flood the GIL)
                 quiet = now - last_record
                 if nc is None or self._closing:
                     await asyncio.sleep(POLL_ACTIVE if self._closing else POLL_IDLE)
