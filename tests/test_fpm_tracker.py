@@ -228,7 +228,9 @@ async def test_tracker_over_nats_with_publishers_and_garbage(nats_server: Embedd
         await tracker._nc.publish(
             fpm_subject(NS, "prefill"), encode_envelope(EventEnvelope(1, 0, 0, "x", b""))
         )
-        assert await wait_until(lambda: tracker.stats().accepted >= 40 and tracker.stats().rejected() >= 2)
+        assert await wait_until(
+            lambda: tracker.stats().accepted >= 40 and tracker.stats().rejected() >= 2, timeout=10
+        )
         ws = tracker.workers()
         assert len(ws) == 4
         for w in ws:

@@ -87,9 +87,9 @@ async def test_runtime_publisher_read_by_our_tracker(
         for i in range(5):
             fields = {k: v + i for k, v in RT_FIELDS.items()}
             rt_pub.publish(dp_rank=1, wall_time_secs=0.25 + i, **fields)
-        assert await wait_until(lambda: sum(r.wall_time > 0 for r in got) >= 5, timeout=5)
+        assert await wait_until(lambda: sum(r.wall_time > 0 for r in got) >= 5, timeout=10)
         # The runtime's idle heartbeat (after 1 s) is recognised as one.
-        assert await wait_until(lambda: any(is_heartbeat(r) and r.dp_rank == 0 for r in got), timeout=4)
+        assert await wait_until(lambda: any(is_heartbeat(r) and r.dp_rank == 0 for r in got), timeout=10)
     finally:
         rt_pub.shutdown()
         await tracker.stop()
@@ -202,7 +202,7 @@ async def test_runtime_tracking_mode_lists_our_worker(
         await asyncio.sleep(0.3)
         sent = full_record(worker_id, 0, seed=4)
         pub.publish(sent)
-        assert await wait_until(lambda: bool(sub.get_recent_stats()), timeout=5)
+        assert await wait_until(lambda: bool(sub.get_recent_stats()), timeout=10)
         stats = sub.get_recent_stats()
         assert list(stats) == [(worker_id, 0)]
         latest = decode(stats[(worker_id, 0)])
