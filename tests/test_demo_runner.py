@@ -72,8 +72,12 @@ def test_a_dying_component_is_named_and_everything_stops(
     assert pids_with_marker(run_id) == []
 
 
-def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep_running", [False, True], ids=["during-load", "keep-running"])
+def test_ctrl_c_stops_everything(tmp_path: Path, keep_running: bool) -> None:
+    """Ctrl-C during the load, or while ``--keep-running`` holds the stack up after the report."""
     run_id = _run_id()
+    wait_for = "the stack keeps running" if keep_running else "load:"
+    burst = "1.0, 2, max_tokens=4" if keep_running else "60.0, 2, max_tokens=100000"
     script = tmp_path / "run_demo.py"
     script.write_text(
         textwrap.dedent(
@@ -87,9 +91,11 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
             from demo_lib.runner import DemoRun, make_config
             mp = pytest.MonkeyPatch()
             fake_stack(mp.setattr, Path({str(tmp_path)!r}))
-            mp.setattr(stack, "load_phases", lambda d, i: [stack.Phase("burst", 60.0, 2, max_tokens=100000)])
+            mp.setattr(stack, "load_phases", lambda d, i: [stack.Phase("burst", {burst})])
             cfg = make_config(Path({str(tmp_path / "run")!r}))
-            sys.exit(DemoRun(cfg, run_id={run_id!r}, live=False, startup_timeout_s=30).run())
+            demo = DemoRun(cfg, run_id={run_id!r}, live=False, startup_timeout_s=30, settle_timeout_s=1,
+                           keep_running={keep_running!r})
+            sys.exit(demo.run())
             """
         )
     )
@@ -97,11 +103,9 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (tmp_path / "run" / "requests.jsonl").exists():
-            log = tmp_path / "run" / "demo.log"
-            if log.exists() and "load:" in log.read_text():
-                break
+        deadline = time.monotonic() + 40
+        log = tmp_path / "run" / "demo.log"
+        while time.monotonic() < deadline and not (log.exists() and wait_for in log.read_text()):
             time.sleep(0.2)
         time.sleep(1.0)
         assert len(pids_with_marker(run_id)) >= 5
@@ -113,4 +117,6 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 130, out
     assert "interrupted: stopping every process" in out and "all processes stopped" in out
+    if keep_running:
+        assert "report:" in out and "curl -s http://127.0.0.1:" in out
     assert pids_with_marker(run_id) == []
