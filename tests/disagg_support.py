@@ -305,7 +305,31 @@ class _EngineChild:
         self.startup_s = time.monotonic() - t0
         self.core = self.engine.engine_core.engine_core  # InprocClient -> EngineCore
         self.ids: dict[str, str] = {}  # engine request id -> our id
+        self.transfers: list[tuple[float, float, int]] = []
+        self._hook_transfer_telemetry()
         self.live: dict[str, dict[str, Any]] = {}
+
+    def _hook_transfer_telemetry(self) -> None:
+        """Keep NIXL's per-transfer telemetry (finish time, duration, bytes) for the benchmark.
+
+        vLLM hands its transfer stats to the engine's stats pipeline and resets them every step, so the
+        records are copied as they are made.
+        """
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return
+        stats = getattr(get_kv_transfer_group().connector_worker, "xfer_stats", None)
+        if stats is None:
+            return
+        record = stats.record_transfer
+
+        def keep(res: Any) -> None:
+            if res is not None:
+                self.transfers.append((time.monotonic(), res.xferDuration / 1e6, int(res.totalBytes)))
+            record(res)
+
+        stats.record_transfer = keep
 
     def run(self) -> None:
         self.conn.send(
@@ -348,6 +372,9 @@ class _EngineChild:
                 self.conn.send({"op": "state", **self._state()})
             elif op == "corrupt_blocks":
                 self.conn.send({"op": op, "layers": self._corrupt(msg["block_ids"])})
+            elif op == "transfers":
+                self.conn.send({"op": op, "transfers": self.transfers})
+                self.transfers = []
             elif op == "set_switch_interval":
                 sys.setswitchinterval(msg["value"])
                 self.conn.send({"op": op, "value": sys.getswitchinterval()})

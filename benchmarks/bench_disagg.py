@@ -1,0 +1,228 @@
+"""Benchmark: aggregated vs disaggregated serving on this machine's CPU (vLLM's NixlConnector over NIXL).
+
+    .venv/bin/python benchmarks/bench_disagg.py [--requests N] [--gen-tokens N] [--short N] [--long N]
+                                                [--without-layer | --no-without-layer] [--json PATH]
+
+Real in-process vLLM engines on the tiny model (tests/disagg_support.py), never more than two alive:
+
+1. aggregated: one engine without a connector;
+2. disaggregated: a prefill engine and a decode engine, both through ``dynamo.vllm.nixl_cpu``
+   (the CPU layer, defaults);
+3. disaggregated with the layer's three switches off (vLLM's connector as it is), unless
+   ``--no-without-layer``.
+
+For short and long prompts, one request at a time (greedy, fixed length): time to first token (for
+disaggregated: from the prefill engine's arrival to the decode engine's first token, the hop between
+the two included), inter-token latency, the prefill engine's time, the decode engine's wait for the KV,
+and NIXL's own telemetry for each transfer (duration, bytes). Also the first pull of a new
+prefill/decode pair (NIXL handshake) and the idle CPU of each engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from disagg_support import (  # noqa: E402
+    EngineProcess,
+    EngineSpec,
+    idle_cpu_cores,
+    prompt_ids,
+    start_engines,
+)
+from dynamo.common.nats_server import free_port  # noqa: E402
+
+FIXES_OFF = {
+    "DYN_NIXL_CPU_PROGRESS_DELAY_US": "0",
+    "DYN_NIXL_CPU_KEEP_AFFINITY": "0",
+    "DYN_NIXL_CPU_SWITCH_INTERVAL": "0",
+}
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _itl(result: dict[str, Any]) -> list[float]:
+    times = result["token_times"]
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        out[f"{key}_p50"] = statistics.median(values)
+        out[f"{key}_p90"] = _pct(values, 0.9)
+    return out
+
+
+def run_aggregated(engine: EngineProcess, sizes: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for label, n in sizes.items():
+        engine.generate(f"warm-{label}", prompt_ids(n, seed=hash((1, n))), args.gen_tokens)
+        rows = []
+        for i in range(args.requests):
+            out = engine.generate(f"agg-{label}-{i}", prompt_ids(n, seed=hash((100, n, i))), args.gen_tokens)
+            rows.append(
+                {
+                    "ttft_s": out["token_times"][0] - out["t_arrival"],
+                    "itl_s": statistics.mean(_itl(out)),
+                }
+            )
+        results[label] = _summary(rows)
+    return results
+
+
+def _disagg_request(
+    prefill: EngineProcess, decode: EngineProcess, rid: str, ids: list[int], gen: int
+) -> dict:
+    pre = prefill.generate(f"pre-{rid}", ids, 1, kv_transfer_params={"do_remote_decode": True})
+    dec = decode.generate(f"dec-{rid}", ids, gen, kv_transfer_params=pre["kv_transfer_params"])
+    if dec["finish_reason"] != "length":
+        raise RuntimeError(f"decode of {rid} ended with {dec['finish_reason']}")
+    transfers = decode.call("transfers")["transfers"]
+    return {
+        "ttft_s": dec["token_times"][0] - pre["t_arrival"],
+        "itl_s": statistics.mean(_itl(dec)),
+        "prefill_s": pre["t_finished"] - pre["t_arrival"],
+        "decode_wait_s": dec["token_times"][0] - dec["t_arrival"],
+        "nixl_xfer_s": sum(t[1] for t in transfers),
+        "kv_bytes": float(sum(t[2] for t in transfers)),
+    }
+
+
+def run_disaggregated(
+    prefill: EngineProcess, decode: EngineProcess, sizes: dict[str, int], args: argparse.Namespace, seed: int
+) -> dict[str, Any]:
+    """``seed`` keeps the prompts of each run new to the prefill engine's prefix cache."""
+    first = _disagg_request(prefill, decode, "first-pull", prompt_ids(40, seed=seed), 2)
+    results: dict[str, Any] = {
+        "first_pull_decode_wait_s": first["decode_wait_s"],
+        "affinity": {"before": decode.ready["affinity_before"], "after": decode.ready["affinity_after"]},
+        "switch_interval_s": decode.ready["switch_interval_after"],
+    }
+    results["idle_cpu_cores"] = dict(
+        zip(("prefill", "decode"), idle_cpu_cores([prefill.pid, decode.pid], seconds=2.0), strict=True)
+    )
+    for label, n in sizes.items():
+        _disagg_request(
+            prefill, decode, f"warm-{label}", prompt_ids(n, seed=hash((seed, n))), args.gen_tokens
+        )
+        rows = [
+            _disagg_request(
+                prefill, decode, f"{label}-{i}", prompt_ids(n, seed=hash((seed, n, i))), args.gen_tokens
+            )
+            for i in range(args.requests)
+        ]
+        results[label] = _summary(rows)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=5, help="measured requests per prompt size (5)")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="generated tokens per request (32)")
+    parser.add_argument("--short", type=int, default=32, help="short prompt length in tokens (32)")
+    parser.add_argument("--long", type=int, default=768, help="long prompt length in tokens (768)")
+    parser.add_argument(
+        "--without-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run disaggregated with the CPU layer's switches off (default: on)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+
+    from dynamo.vllm.tiny_model import build_tiny_model
+
+    sizes = {"short": args.short, "long": args.long}
+    report: dict[str, Any] = {
+        "params": vars(args) | {"json": str(args.json) if args.json else None},
+        "load_average_at_start": os.getloadavg(),
+        "cpus": os.cpu_count(),
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-disagg-") as tmp:
+        work = Path(tmp)
+        model = build_tiny_model(work / "model")
+        print("starting the aggregated engine ...", flush=True)
+        (agg,) = start_engines([EngineSpec("aggregated", model, None)], work)
+        try:
+            report["aggregated"] = run_aggregated(agg, sizes, args)
+        finally:
+            agg.close()
+        prefill, decode = start_engines(
+            [
+                EngineSpec("prefill", model, "kv_producer", free_port()),
+                EngineSpec("decode", model, "kv_consumer", free_port()),
+            ],
+            work,
+        )
+        try:
+            print("disaggregated (CPU layer on) ...", flush=True)
+            report["disaggregated"] = run_disaggregated(prefill, decode, sizes, args, seed=1000)
+            if args.without_layer:
+                decode.close()
+                (decode,) = start_engines(
+                    [EngineSpec("decode-fixes-off", model, "kv_consumer", free_port(), env=FIXES_OFF)], work
+                )
+                print("disaggregated (CPU layer switches off) ...", flush=True)
+                report["disaggregated_fixes_off"] = run_disaggregated(prefill, decode, sizes, args, seed=2000)
+        finally:
+            prefill.close()
+            decode.close()
+
+    _print(report, sizes)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _print(report: dict[str, Any], sizes: dict[str, int]) -> None:
+    ms = 1000.0
+    modes = [m for m in ("aggregated", "disaggregated", "disaggregated_fixes_off") if m in report]
+    print(
+        f"tiny model, one request at a time, {report['params']['gen_tokens']} generated tokens; times in ms"
+    )
+    print(
+        f"{'mode':<26}{'prompt':>7}{'TTFT p50':>10}{'TTFT p90':>10}{'ITL p50':>9}{'ITL p90':>9}"
+        f"{'prefill':>9}{'D wait':>8}{'NIXL xfer':>11}{'KV bytes':>10}"
+    )
+    for mode in modes:
+        for label, n in sizes.items():
+            r = report[mode][label]
+            extra = ""
+            if "prefill_s_p50" in r:
+                extra = (
+                    f"{r['prefill_s_p50'] * ms:>9.1f}{r['decode_wait_s_p50'] * ms:>8.1f}"
+                    f"{r['nixl_xfer_s_p50'] * ms:>11.2f}{r['kv_bytes_p50']:>10.0f}"
+                )
+            print(
+                f"{mode:<26}{n:>7}{r['ttft_s_p50'] * ms:>10.1f}{r['ttft_s_p90'] * ms:>10.1f}"
+                f"{r['itl_s_p50'] * ms:>9.2f}{r['itl_s_p90'] * ms:>9.2f}{extra}"
+            )
+    for mode in modes[1:]:
+        r = report[mode]
+        print(
+            f"{mode}: first pull of a new pair {r['first_pull_decode_wait_s'] * ms:.0f} ms; idle CPU "
+            f"prefill {r['idle_cpu_cores']['prefill']:.2f} / decode {r['idle_cpu_cores']['decode']:.2f} cores; "
+            f"decode thread affinity {r['affinity']['before']} -> {r['affinity']['after']}; "
+            f"switch interval {r['switch_interval_s'] * 1e3:.1f} ms"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
