@@ -184,7 +184,10 @@ def _threshold_signals(pool: PoolObs, cfg: PlannerConfig, th: Thresholds, note: 
                 consolidated,
                 data,
             )
-        why = f"{pool.name} load {mx:.2f} under {down:g} but on {remaining:g} engines it would be {consolidated:.2f} >= {limit:.2f}"
+        if remaining <= 0:
+            why = f"{pool.name} load {mx:.2f} under {down:g}; a single replica, nothing to consolidate"
+        else:
+            why = f"{pool.name} load {mx:.2f} under {down:g} but on {remaining:g} engines it would be {consolidated:.2f} >= {limit:.2f}"
         return Signals("steady", why + note, mx, consolidated, data)
     return Signals(
         "steady", f"{pool.name} load {mx:.2f} within [{down:g}, {up:g}]{note}", mx, consolidated, data
