@@ -248,6 +248,22 @@ def wait_for_state(
         time.sleep(0.02)
 
 
+def cpu_cores_against_a_spinner(pids: list[int], seconds: float = 2.0) -> tuple[list[float], float]:
+    """Cores each process used over one window, and what a pure busy loop got in the same window.
+
+    A busy-polling thread gets about what the spinner gets, however loaded the machine is; an idle
+    process gets nearly nothing either way. Comparing with the spinner keeps assertions load-proof.
+    """
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(0.2)
+        *values, spun = idle_cpu_cores([*pids, spinner.pid], seconds)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    return values, spun
+
+
 def first_token_s(result: dict[str, Any]) -> float:
     """Seconds from the request's arrival in the engine to its first generated token."""
     return float(result["token_times"][0] - result["t_arrival"])

@@ -17,8 +17,8 @@ pytest.importorskip("nixl")
 from disagg_support import (
     EngineProcess,
     EngineSpec,
+    cpu_cores_against_a_spinner,
     first_token_s,
-    idle_cpu_cores,
     prompt_ids,
     start_engines,
 )
@@ -86,9 +86,10 @@ def test_with_every_switch_off_the_problems_are_back(
         if len(before) >= 2:
             assert after != before and len(after) < len(before), (before, after)
         assert engine.ready["switch_interval_after"] == pytest.approx(0.005)
-        with_layer, without = idle_cpu_cores([prefill.pid, engine.pid], seconds=2.0)
-        # Busy polling costs about a core (less when the box is loaded); the 2 ms delay nearly nothing.
-        assert without > 0.25 and without > 4 * with_layer, (with_layer, without)
+        (with_layer, without), spinner = cpu_cores_against_a_spinner([prefill.pid, engine.pid], seconds=2.0)
+        # Busy polling gets about what a pure busy loop gets (a core on a quiet machine, less when loaded);
+        # the 2 ms delay costs nearly nothing.
+        assert without > 0.4 * spinner and without > 4 * with_layer, (with_layer, without, spinner)
         assert _first_pull_s(prefill, engine, "fixes-off") < 30
     finally:
         engine.close()
