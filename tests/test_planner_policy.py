@@ -82,6 +82,27 @@ def test_slow_transfer_does_not_read_as_missing_decode_capacity() -> None:
     assert d.decode.action == "scale_up"
 
 
+def test_decode_slots_full_scales_decode_even_with_little_kv() -> None:
+    """Many short requests: KV is nearly free, but every running slot (max_num_seqs) is taken."""
+    cfg = config()
+    slots = type(CAP)(context_length=1000, kv_tokens=10_000, max_num_seqs=16, source="card")
+    full = rec(
+        "d0", s_decode=16, s_decode_kv=900, q_decode=4, q_decode_kv=200, transfer=(0, 0), ready=(4, 200)
+    )
+    o = obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], [])
+    o = type(o)(0.0, o.prefill, pool("decode", [full], capacity=slots))
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "scale_up" and "load 1.25 over 1" in d.decode.reason
+    assert d.decode.signals["slot_load_max"] == 1.25
+    # The same short requests still in transfer, with free slots: transfer-bound, not a slot shortage.
+    moving = rec(
+        "d0", s_decode=10, s_decode_kv=500, q_decode=10, q_decode_kv=500, transfer=(10, 500), ready=(0, 0)
+    )
+    o = type(o)(0.0, o.prefill, pool("decode", [moving], capacity=slots))
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "hold" and d.decode.signals["transfer_bound_engines"] == 1
+
+
 def test_prefill_backlog_scales_prefill_not_decode() -> None:
     cfg = config()
     prefill = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=1500)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from .config import PlannerConfig, Thresholds
 from .observations import EngineObs, Observation, PoolObs
@@ -104,28 +104,56 @@ def engine_idle(e: EngineObs) -> bool:
     )
 
 
-def decode_demand(e: EngineObs, weight: float, up: float) -> tuple[float, int, int, bool]:
-    """Decode KV tokens that count as demand, with the transfer/ready split rule.
+class DecodeDemand(NamedTuple):
+    tokens: float  # KV tokens the engine must hold
+    requests: float  # requests that need a running slot (max_num_seqs)
+    transfer_tokens: int
+    waiting_tokens: int  # queued decode KV waiting for a slot (ready or preempted)
+    transfer_bound: bool
 
-    Returns (demand_tokens, transfer_tokens, waiting_for_slot_tokens, transfer_bound). Without the
-    split (upstream records) every queued decode token counts, as upstream does. With it: KV that
-    arrived (ready) and preempted requests wait for a decode slot, so they always count; KV still in
-    transfer counts too, unless the engine is *transfer-bound* -- nothing waits for a slot and what
-    it holds is below the scale-up threshold -- then the transfer backlog is a link problem, not
-    missing decode capacity, and counts with ``transfer_bound_weight`` (default 0).
+
+def decode_demand(e: EngineObs, weight: float, up: float) -> DecodeDemand:
+    """Decode work that counts as demand, in KV tokens and in running slots, with the split rule.
+
+    Without the transfer/ready split (upstream records) every queued decode request and token counts,
+    as upstream does. With it: requests whose KV arrived (ready) and preempted ones wait for a decode
+    slot, so they always count; requests still in transfer count too, unless the engine is
+    *transfer-bound* -- nothing waits for a slot and what it holds is at or below the scale-up
+    threshold in KV and in slots -- then the transfer backlog is a link problem, not missing decode
+    capacity, and counts with ``transfer_bound_weight`` (default 0).
     """
     s, q = e.record.scheduled_requests, e.record.queued_requests
-    kv = e.capacity.kv_tokens or 1
     if q.sum_decode_kv_transfer_tokens is None:
-        return float(s.sum_decode_kv_tokens + q.sum_decode_kv_tokens), 0, q.sum_decode_kv_tokens, False
+        return DecodeDemand(
+            float(s.sum_decode_kv_tokens + q.sum_decode_kv_tokens),
+            float(s.num_decode_requests + q.num_decode_requests),
+            0,
+            q.sum_decode_kv_tokens,
+            False,
+        )
+    kv = e.capacity.kv_tokens or 1
+    seqs = e.capacity.max_num_seqs
     transfer = q.sum_decode_kv_transfer_tokens
+    transfer_reqs = q.num_decode_kv_transfer_requests or 0
     waiting = max(q.sum_decode_kv_tokens - transfer, 0)
-    waiting_reqs = q.num_decode_requests - (q.num_decode_kv_transfer_requests or 0)
+    waiting_reqs = q.num_decode_requests - transfer_reqs
     held = s.sum_decode_kv_tokens + waiting
-    bound = transfer > 0 and waiting_reqs <= 0 and held / kv <= up
+    held_reqs = s.num_decode_requests + max(waiting_reqs, 0)
+    bound = transfer > 0 and waiting_reqs <= 0 and held / kv <= up and (not seqs or held_reqs / seqs <= up)
     if bound:
-        return held + weight * transfer, transfer, waiting, True
-    return float(held + transfer), transfer, waiting, False
+        return DecodeDemand(
+            held + weight * transfer, held_reqs + weight * transfer_reqs, transfer, waiting, True
+        )
+    return DecodeDemand(float(held + transfer), float(held_reqs + transfer_reqs), transfer, waiting, False)
+
+
+def decode_load(e: EngineObs, dd: DecodeDemand) -> float:
+    """KV demand / KV capacity, or running-slot demand / ``max_num_seqs`` when known: the higher."""
+    load = dd.tokens / e.capacity.kv_tokens  # type: ignore[operator]
+    seqs = e.capacity.max_num_seqs
+    if seqs:
+        load = max(load, dd.requests / seqs)
+    return load
 
 
 def _threshold_signals(pool: PoolObs, cfg: PlannerConfig, th: Thresholds, note: str = "") -> Signals:
@@ -146,13 +174,15 @@ def _threshold_signals(pool: PoolObs, cfg: PlannerConfig, th: Thresholds, note: 
         if missing:
             return Signals("hold", f"capacity unknown (kv_tokens) for worker {missing[0]}")
         up, down = th.decode_up, th.decode_down
-        loads, transfer, waiting, bound = [], 0, 0, 0
+        loads, transfer, waiting, bound, slot_max = [], 0, 0, 0, 0.0
         for e in engines:
-            demand, t, w, b = decode_demand(e, cfg.transfer_bound_weight, up)
-            loads.append(demand / e.capacity.kv_tokens)  # type: ignore[operator]
-            transfer += t
-            waiting += w
-            bound += b
+            dd = decode_demand(e, cfg.transfer_bound_weight, up)
+            loads.append(decode_load(e, dd))
+            transfer += dd.transfer_tokens
+            waiting += dd.waiting_tokens
+            bound += dd.transfer_bound
+            if e.capacity.max_num_seqs:
+                slot_max = max(slot_max, dd.requests / e.capacity.max_num_seqs)
         over = max(loads) > up
         data = {
             "decode_kv_tokens": sum(e.record.scheduled_requests.sum_decode_kv_tokens for e in engines),
@@ -160,6 +190,7 @@ def _threshold_signals(pool: PoolObs, cfg: PlannerConfig, th: Thresholds, note: 
             "decode_kv_transfer_tokens": transfer,
             "decode_kv_waiting_tokens": waiting,
             "transfer_bound_engines": bound,
+            "slot_load_max": round(slot_max, 4),
         }
     mx = max(loads)
     data.update(loads=_summ(loads), up=up, down=down)
@@ -227,18 +258,17 @@ def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
         kv_over = False
     else:
         target = cfg.sla.itl_ms / 1000.0
-        reqs = [
-            float(
-                e.record.scheduled_requests.num_decode_requests + e.record.queued_requests.num_decode_requests
-            )
-            for e in engines
-        ]
-        kvs = [decode_demand(e, cfg.transfer_bound_weight, 1.0)[0] for e in engines]
+        demands = [decode_demand(e, cfg.transfer_bound_weight, 1.0) for e in engines]
+        reqs = [dd.requests for dd in demands]
+        kvs = [dd.tokens for dd in demands]
         a, b, c = fit.coef
         est = [max(a + b * r + c * k, 0.0) for r, k in zip(reqs, kvs, strict=True)]
         ratios = [x / target for x in est]
         caps = [e.capacity.kv_tokens for e in engines]
-        kv_over = any(c and k > c for k, c in zip(kvs, caps, strict=True))
+        kv_over = any(c and k > c for k, c in zip(kvs, caps, strict=True)) or any(
+            e.capacity.max_num_seqs and r > e.capacity.max_num_seqs
+            for r, e in zip(reqs, engines, strict=True)
+        )
         cons = fit.predict(sum(reqs) / (n - 1), sum(kvs) / (n - 1)) / target if n > 1 else math.inf
         cap_min = min((c for c in caps if c), default=None)
         if n > 1 and cap_min and sum(kvs) / (n - 1) > cap_min * head:
