@@ -172,6 +172,7 @@ class RequestHandler:
             raise InvalidArgument(str(exc)) from exc
         request_id = _request_id(context)
         token_ids = list(request["token_ids"])
+        log.debug("request %s: %d prompt tokens, %s mode", request_id, len(token_ids), self.mode)
         prompt_len = len(token_ids)
         generated = 0
         finished = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import shutil
@@ -211,6 +212,8 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``drain.ExitCode``)."""
     _setup_logging()
+    # `kill -USR2 <pid>` prints every thread's stack to stderr: the way to see what a stuck worker waits on.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     # The Dynamo runtime starts threads; a forked EngineCore would inherit them half-copied.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     config = parse_args(argv)
