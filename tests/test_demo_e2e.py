@@ -34,7 +34,7 @@ def test_shortened_demo_scales_decode_not_prefill_and_cleans_up(tmp_path: Path) 
     run_id = f"e2e-{os.getpid()}-{time.monotonic_ns()}"
     argv = [
         sys.executable, str(LAUNCH / "demo.py"),
-        "--duration", "120", "--intensity", "1.0",
+        "--duration", "140", "--intensity", "1.0",
         "--run-dir", str(run_dir), "--run-id", run_id, "--no-live",
         "--planner-interval", "2", "--scale-down-window", "12",
         "--startup-timeout", "240", "--settle-timeout", "150",

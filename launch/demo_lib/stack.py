@@ -46,7 +46,7 @@ class DemoConfig:
     planner_interval_s: float = 3.0
     scale_down_window_s: float = 15.0
     # Engine shape: a small KV cache so the decode-heavy burst really fills it.
-    max_model_len: int = 1024
+    max_model_len: int = 1536
     block_size: int = 32
     decode_kv_blocks: int = 64
     prefill_kv_blocks: int = 256
@@ -209,6 +209,6 @@ def load_phases(duration_s: float, intensity: float) -> list[Phase]:
     concurrency = max(2, round(16 * intensity))
     return [
         Phase("warmup", warm, concurrency=2, prompt_words=8, max_tokens=32),
-        Phase("burst", burst, concurrency=concurrency, prompt_words=8, max_tokens=400),
+        Phase("burst", burst, concurrency=concurrency, prompt_words=8, max_tokens=1000),
         Phase("idle", idle, concurrency=0),
     ]
