@@ -7,7 +7,8 @@ taken). One cycle = ``schedule()`` + ``update_from_output()``; the instrumented 
 per cycle through the real ``FpmDirectPublisher`` to a real nats-server. Cycles of the two schedulers
 are interleaved in short blocks so machine noise hits both alike; the median per scheduler is reported.
 
-    .venv/bin/python benchmarks/bench_scheduler.py [--depths 0,100,1000,10000] [--cycles 400] [--json]
+    .venv/bin/python benchmarks/bench_scheduler.py [--depths 0,100,1000,10000] [--cycles 600] [--block 10]
+        [--remote] [--publisher nats|memory] [--json]
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ RUNNING = 64
 PROMPT = 32
 
 
+def instrumented_cls(publisher: str) -> type:
+    from dynamo.vllm.instrumented_scheduler import InstrumentedScheduler
+
+    if publisher == "nats":
+        return InstrumentedScheduler
+    from scheduler_support import capturing_scheduler_cls
+
+    return capturing_scheduler_cls()
+
+
 def build(cls: type, model_dir: Path, queued: int, *, remote: bool = False) -> Any:
     from scheduler_support import SchedSpec, make_request, make_scheduler, step
 
@@ -56,44 +67,50 @@ def build(cls: type, model_dir: Path, queued: int, *, remote: bool = False) -> A
     return sched
 
 
+CLOCK = time.perf_counter
+
+
 def cycle(sched: Any) -> float:
     """One timed schedule + update (the fake model output is built outside the timed region)."""
     from scheduler_support import model_output
 
-    t0 = time.perf_counter()
+    clock = CLOCK
+    t0 = clock()
     out = sched.schedule()
-    t1 = time.perf_counter()
+    t1 = clock()
     mro = model_output(out)
-    t2 = time.perf_counter()
+    t2 = clock()
     sched.update_from_output(out, mro)
-    t3 = time.perf_counter()
+    t3 = clock()
     return (t1 - t0) + (t3 - t2)
 
 
-def measure(model_dir: Path, depth: int, cycles: int, block: int, remote: bool) -> dict[str, Any]:
-    from dynamo.vllm.instrumented_scheduler import InstrumentedScheduler
+def measure(
+    model_dir: Path, depth: int, cycles: int, block: int, remote: bool, publisher: str
+) -> dict[str, Any]:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     plain = build(AsyncScheduler, model_dir, depth, remote=remote)
-    inst = build(InstrumentedScheduler, model_dir, depth, remote=remote)
+    inst = build(instrumented_cls(publisher), model_dir, depth, remote=remote)
     assert inst.fpm_mode == "incremental", inst.fpm_mode
     for _ in range(20):  # warm-up
         cycle(plain)
         cycle(inst)
     times: dict[str, list[float]] = {"plain": [], "instrumented": []}
     done = 0
+    order = [("plain", plain), ("instrumented", inst)]
     while done < cycles:
-        for _ in range(block):
-            times["plain"].append(cycle(plain))
-        for _ in range(block):
-            times["instrumented"].append(cycle(inst))
+        for name, sched in order:
+            for _ in range(block):
+                times[name].append(cycle(sched))
+        order.reverse()  # alternate who goes first: running second is ~1% faster (cache warmth)
         done += block
     queued = inst.fpm_queued_metrics()
     assert queued == inst.fpm_scan_queued()
     expected = depth
     got = queued.num_decode_requests if remote else queued.num_prefill_requests
     assert got == expected, (got, expected)
-    stats = inst._fpm_pub.stats()
+    published = len(inst._fpm_pub.records) if publisher == "memory" else inst._fpm_pub.stats().published
     plain.shutdown()
     inst.shutdown()
     p = statistics.median(times["plain"]) * 1e6
@@ -104,8 +121,18 @@ def measure(model_dir: Path, depth: int, cycles: int, block: int, remote: bool) 
         "plain_us": round(p, 1),
         "instrumented_us": round(i, 1),
         "ratio": round(i / p, 3),
-        "records_published": stats.published,
-        "records_dropped": stats.dropped,
+        # Median over blocks of (instrumented block time / plain block time): robust to load drifting
+        # on a shared machine, since both halves of a pair ran within milliseconds of each other.
+        "paired_ratio": round(
+            statistics.median(
+                sum(times["instrumented"][k : k + block]) / sum(times["plain"][k : k + block])
+                for k in range(0, len(times["plain"]), block)
+            ),
+            3,
+        ),
+        "publisher": publisher,
+        "clock": "cpu" if CLOCK is time.thread_time else "wall",
+        "records_published": published,
     }
 
 
@@ -114,10 +141,23 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--depths", default="0,100,1000,10000", help="queued depths (comma separated)")
-    parser.add_argument("--cycles", type=int, default=400, help="timed cycles per scheduler and depth")
-    parser.add_argument("--block", type=int, default=20, help="cycles per interleaved block")
+    parser.add_argument("--cycles", type=int, default=600, help="timed cycles per scheduler and depth")
+    parser.add_argument("--block", type=int, default=2, help="cycles per interleaved block")
+    parser.add_argument(
+        "--publisher",
+        choices=["nats", "memory"],
+        default="nats",
+        help="nats: the real FpmDirectPublisher to a local nats-server; memory: an in-memory list (no thread)",
+    )
     parser.add_argument(
         "--remote", action="store_true", help="queued requests wait for remote KV instead (parked)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: elapsed time (perf_counter); cpu: CPU time of the scheduler thread (thread_time), "
+        "immune to other processes on a loaded machine but blind to waits for the GIL",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per depth")
     args = parser.parse_args(argv)
@@ -125,20 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     from dynamo.common.nats_server import EmbeddedNatsServer
     from scheduler_support import write_model_config
 
+    global CLOCK
+    CLOCK = time.perf_counter if args.clock == "wall" else time.thread_time
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats:
         os.environ["NATS_SERVER"] = nats.url
         model_dir = write_model_config(Path(tmp) / "model")
-        rows = [measure(model_dir, d, args.cycles, args.block, args.remote) for d in depths]
+        rows = [measure(model_dir, d, args.cycles, args.block, args.remote, args.publisher) for d in depths]
     if args.json:
         for row in rows:
             print(json.dumps(row))
     else:
-        print(f"{'queued':>8} {'kind':>9} {'plain us':>10} {'instr. us':>10} {'ratio':>7}")
+        print(f"{'queued':>8} {'kind':>9} {'plain us':>10} {'instr. us':>10} {'ratio':>7} {'paired':>7}")
         for r in rows:
             print(
                 f"{r['queued']:>8} {r['kind']:>9} {r['plain_us']:>10.1f} {r['instrumented_us']:>10.1f} "
-                f"{r['ratio']:>7.3f}"
+                f"{r['ratio']:>7.3f} {r['paired_ratio']:>7.3f}"
             )
     return 0
 

@@ -84,7 +84,15 @@ class Driver:
     def schedule(self) -> None:
         if len(self.in_flight) >= 2:
             self.update()
+        from dynamo.vllm.fpm_accounting import summarize_scheduled
+
         out = self.sched.schedule()
+        if out.total_num_scheduled_tokens:
+            # The all-decode fast path must agree with the per-request rules.
+            reqs = self.sched.requests
+            fast = summarize_scheduled(out, reqs, set(), self.sched._fpm_ever_preempted)
+            slow = summarize_scheduled(out, reqs, set(), set(out.num_scheduled_tokens))
+            assert fast == slow
         # Whether the model runner samples a token for each request of this batch (not mid-prefill).
         sample = {}
         for rid in out.num_scheduled_tokens:
@@ -114,7 +122,14 @@ class Driver:
             sampled_token_ids=[[11] if sample[rid] else [] for rid in ids],
             kv_connector_output=kv,
         )
+        n_records = len(self.sched._fpm_pub.records)
         self.sched.update_from_output(out, mro)
+        if out.total_num_scheduled_tokens:
+            # The record of this pass accounts for every scheduled request and token exactly once.
+            s = self.sched._fpm_pub.records[n_records].scheduled_requests
+            assert s.sum_prefill_tokens + s.num_decode_requests == out.total_num_scheduled_tokens
+            assert s.num_prefill_requests + s.num_decode_requests == len(out.num_scheduled_tokens)
+            assert s.sum_prefill_kv_tokens >= 0 and s.var_prefill_length >= 0 and s.var_decode_kv_tokens >= 0
         self.check()
 
     def parked(self) -> list[Any]:

@@ -19,20 +19,24 @@ the scheduler touched since the last reconcile, so a step costs O(touched), not 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from operator import mul
 from typing import Any
 
 from dynamo.common.forward_pass_metrics import QueuedRequestMetrics, ScheduledRequestMetrics
 from dynamo.vllm.fpm_classifier import Entry, Kind, QueueTotals, ScanResult, classify, kind_of_status_name
 
 _EMPTY: tuple[str, ...] = ()
+_NONE: set[str] = set()
 
 
 def summarize_scheduled(
-    output: Any, requests: Mapping[str, Any], kv_arrived: set[str]
+    output: Any, requests: Mapping[str, Any], kv_arrived: set[str], ever_preempted: set[str] = _NONE
 ) -> ScheduledRequestMetrics:
     """Scheduled metrics of one batch, computed right after ``schedule()`` built it.
 
-    Pops from ``kv_arrived`` the ids it consumes (their first scheduling).
+    Pops from ``kv_arrived`` the ids it consumes (their first scheduling). ``ever_preempted`` (ids
+    preempted at some point) enables the fast path: a running request that has output tokens and was
+    never preempted is decoding, so an all-decode running part is summed with C-level builtins.
     """
     nst = output.num_scheduled_tokens
     spec = output.scheduled_spec_decode_tokens
@@ -60,6 +64,17 @@ def summarize_scheduled(
 
     cached = output.scheduled_cached_reqs
     resumed = cached.resumed_req_ids
+    if (
+        not resumed
+        and 0 not in cached.num_output_tokens
+        and (not ever_preempted or ever_preempted.isdisjoint(cached.req_ids))
+    ):
+        computed = cached.num_computed_tokens
+        d_n += len(computed)
+        d_s += sum(computed)
+        d_sq += sum(map(mul, computed, computed))
+        return _metrics(p_n, p_tok, p_kv, p_s, p_sq, d_n, d_s, d_sq)
+
     for rid, c, out_tokens in zip(
         cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens, strict=True
     ):
@@ -88,7 +103,12 @@ def summarize_scheduled(
         p_kv += c
         p_s += length
         p_sq += length * length
+    return _metrics(p_n, p_tok, p_kv, p_s, p_sq, d_n, d_s, d_sq)
 
+
+def _metrics(
+    p_n: int, p_tok: int, p_kv: int, p_s: int, p_sq: int, d_n: int, d_s: int, d_sq: int
+) -> ScheduledRequestMetrics:
     return ScheduledRequestMetrics(
         num_prefill_requests=p_n,
         sum_prefill_tokens=p_tok,

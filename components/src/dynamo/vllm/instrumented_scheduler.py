@@ -64,6 +64,7 @@ REQUIRED_HOOKS = (
 )
 _NO_IDS: frozenset[str] = frozenset()
 _MAX_PENDING = 16
+_PRUNE_PREEMPTED = 1024
 
 
 def missing_hooks(base: type) -> list[str]:
@@ -83,6 +84,10 @@ class FpmInstrumentation:
         self._fpm_q: IncrementalQueue | None = None
         self._fpm_mode = "off"
         self._fpm_kv_arrived: set[str] = set()
+        # Ids preempted at some point (pruned to live requests): their batches need the slow path and
+        # their stale outputs change a queued request in update_from_output.
+        self._fpm_ever_preempted: set[str] = set()
+        self._fpm_prune_at = _PRUNE_PREEMPTED
         self._fpm_pending: dict[int, tuple[Any, Any, float]] = {}
         self._fpm_last_update_start = 0.0
         self._fpm_last_publish = 0.0
@@ -301,18 +306,21 @@ class FpmInstrumentation:
             else:
                 ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
             self._fpm_touch_ids(ids)
-            arrived = self._fpm_kv_arrived
-            if arrived:
-                arrived.difference_update(ids)
+            if self._fpm_kv_arrived:
+                self._fpm_kv_arrived.difference_update(ids)
+            if self._fpm_ever_preempted:
+                self._fpm_ever_preempted.difference_update(ids)
             if self._fpm_idle and ids:
                 self._fpm_go_idle(time.monotonic())
         return finished
 
     def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
-        q = self._fpm_q
-        if q is not None:
-            q.touched.add(request.request_id)
+        if self._fpm_on:
+            self._fpm_ever_preempted.add(request.request_id)
+            q = self._fpm_q
+            if q is not None:
+                q.touched.add(request.request_id)
 
     def _enqueue_waiting_request(self, request: Any) -> None:
         super()._enqueue_waiting_request(request)  # type: ignore[misc]
@@ -364,7 +372,9 @@ class FpmInstrumentation:
             self._fpm_wake()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if output.total_num_scheduled_tokens:
-            summary = summarize_scheduled(output, self.requests, self._fpm_kv_arrived)
+            summary = summarize_scheduled(
+                output, self.requests, self._fpm_kv_arrived, self._fpm_ever_preempted
+            )
             pending = self._fpm_pending
             pending[id(output)] = (output, summary, time.monotonic())
             if len(pending) > _MAX_PENDING:  # outputs never given back: forget the oldest
@@ -377,11 +387,16 @@ class FpmInstrumentation:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t_start = time.monotonic()
         result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        q = self._fpm_q
-        nst = scheduler_output.num_scheduled_tokens
-        if q is not None and q.entries and nst:
-            # Preempted requests still in this batch get tokens appended or stop here.
-            q.touched.update(q.entries.keys() & nst.keys())
+        ever = self._fpm_ever_preempted
+        if ever:
+            nst = scheduler_output.num_scheduled_tokens
+            q = self._fpm_q
+            if q is not None and nst and not ever.isdisjoint(nst):
+                # Requests preempted after this batch was scheduled get tokens appended or stop here.
+                q.touched.update(rid for rid in nst if rid in ever)
+            if len(ever) > self._fpm_prune_at:
+                ever.intersection_update(self.requests)
+                self._fpm_prune_at = 2 * len(ever) + _PRUNE_PREEMPTED
         pending = self._fpm_pending.pop(id(scheduler_output), None)
         now = time.monotonic()
         if pending is not None and pending[0] is scheduler_output:
