@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -113,6 +114,9 @@ def receiver_main(url: str, subject: str, out_path: str) -> None:
 class Receiver:
     def __init__(self, url: str, subject: str, workdir: str, tag: str) -> None:
         self.out = os.path.join(workdir, f"recv-{tag}.json")
+        for stale in (self.out, self.out + ".stop"):  # a previous receiver of the same tag
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--receiver", url, subject, self.out],
             stdout=subprocess.PIPE,
