@@ -3,13 +3,12 @@
     .venv/bin/python benchmarks/bench_disagg.py [--requests N] [--gen-tokens N] [--short N] [--long N]
                                                 [--without-layer | --no-without-layer] [--json PATH]
 
-Real in-process vLLM engines on the tiny model (tests/disagg_support.py), never more than two alive:
-
-1. aggregated: one engine without a connector;
-2. disaggregated: a prefill engine and a decode engine, both through ``dynamo.vllm.nixl_cpu``
-   (the CPU layer, defaults);
-3. disaggregated with the layer's three switches off (vLLM's connector as it is), unless
-   ``--no-without-layer``.
+Real in-process vLLM engines on the tiny model (tests/disagg_support.py), never more than two alive: a
+prefill engine and a decode engine, both through ``dynamo.vllm.nixl_cpu`` (the CPU layer, defaults);
+then, unless ``--no-without-layer``, the decode engine is replaced by one with the layer's three switches
+off (vLLM's connector as it is). Aggregated requests run on the prefill engine by itself and alternate
+with the disaggregated ones, so both see the same machine load and the same engine settings (the
+interpreter's switch interval alone changes an in-process engine's step times a lot on 2 cores).
 
 For short and long prompts, one request at a time (greedy, fixed length): time to first token (for
 disaggregated: from the prefill engine's arrival to the decode engine's first token, the hop between
@@ -68,23 +67,6 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def run_aggregated(engine: EngineProcess, sizes: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for label, n in sizes.items():
-        engine.generate(f"warm-{label}", prompt_ids(n, seed=hash((1, n))), args.gen_tokens)
-        rows = []
-        for i in range(args.requests):
-            out = engine.generate(f"agg-{label}-{i}", prompt_ids(n, seed=hash((100, n, i))), args.gen_tokens)
-            rows.append(
-                {
-                    "ttft_s": out["token_times"][0] - out["t_arrival"],
-                    "itl_s": statistics.mean(_itl(out)),
-                }
-            )
-        results[label] = _summary(rows)
-    return results
-
-
 def _disagg_request(
     prefill: EngineProcess, decode: EngineProcess, rid: str, ids: list[int], gen: int
 ) -> dict:
@@ -103,10 +85,19 @@ def _disagg_request(
     }
 
 
-def run_disaggregated(
+def _agg_request(engine: EngineProcess, rid: str, ids: list[int], gen: int) -> dict[str, float]:
+    out = engine.generate(f"agg-{rid}", ids, gen)
+    return {"ttft_s": out["token_times"][0] - out["t_arrival"], "itl_s": statistics.mean(_itl(out))}
+
+
+def run_pair(
     prefill: EngineProcess, decode: EngineProcess, sizes: dict[str, int], args: argparse.Namespace, seed: int
 ) -> dict[str, Any]:
-    """``seed`` keeps the prompts of each run new to the prefill engine's prefix cache."""
+    """Aggregated and disaggregated requests alternate, so both see the same machine load.
+
+    Aggregated runs on the prefill engine by itself (same engine settings, its connector idle).
+    ``seed`` keeps the prompts of each run new to the engines' prefix caches.
+    """
     first = _disagg_request(prefill, decode, "first-pull", prompt_ids(40, seed=seed), 2)
     results: dict[str, Any] = {
         "first_pull_decode_wait_s": first["decode_wait_s"],
@@ -117,16 +108,27 @@ def run_disaggregated(
         zip(("prefill", "decode"), idle_cpu_cores([prefill.pid, decode.pid], seconds=2.0), strict=True)
     )
     for label, n in sizes.items():
+        _agg_request(prefill, f"warm-{label}", prompt_ids(n, seed=hash((seed, n, -1))), args.gen_tokens)
         _disagg_request(
-            prefill, decode, f"warm-{label}", prompt_ids(n, seed=hash((seed, n))), args.gen_tokens
+            prefill, decode, f"warm-{label}", prompt_ids(n, seed=hash((seed, n, -2))), args.gen_tokens
         )
-        rows = [
-            _disagg_request(
-                prefill, decode, f"{label}-{i}", prompt_ids(n, seed=hash((seed, n, i))), args.gen_tokens
+        agg_rows, dis_rows = [], []
+        for i in range(args.requests):
+            agg_rows.append(
+                _agg_request(
+                    prefill, f"{label}-{i}", prompt_ids(n, seed=hash((seed, n, i, 0))), args.gen_tokens
+                )
             )
-            for i in range(args.requests)
-        ]
-        results[label] = _summary(rows)
+            dis_rows.append(
+                _disagg_request(
+                    prefill,
+                    decode,
+                    f"{label}-{i}",
+                    prompt_ids(n, seed=hash((seed, n, i, 1))),
+                    args.gen_tokens,
+                )
+            )
+        results[label] = {"aggregated": _summary(agg_rows), "disaggregated": _summary(dis_rows)}
     return results
 
 
@@ -158,12 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-disagg-") as tmp:
         work = Path(tmp)
         model = build_tiny_model(work / "model")
-        print("starting the aggregated engine ...", flush=True)
-        (agg,) = start_engines([EngineSpec("aggregated", model, None)], work)
-        try:
-            report["aggregated"] = run_aggregated(agg, sizes, args)
-        finally:
-            agg.close()
         prefill, decode = start_engines(
             [
                 EngineSpec("prefill", model, "kv_producer", free_port()),
@@ -172,15 +168,15 @@ def main(argv: list[str] | None = None) -> int:
             work,
         )
         try:
-            print("disaggregated (CPU layer on) ...", flush=True)
-            report["disaggregated"] = run_disaggregated(prefill, decode, sizes, args, seed=1000)
+            print("CPU layer on ...", flush=True)
+            report["layer_on"] = run_pair(prefill, decode, sizes, args, seed=1000)
             if args.without_layer:
                 decode.close()
                 (decode,) = start_engines(
                     [EngineSpec("decode-fixes-off", model, "kv_consumer", free_port(), env=FIXES_OFF)], work
                 )
-                print("disaggregated (CPU layer switches off) ...", flush=True)
-                report["disaggregated_fixes_off"] = run_disaggregated(prefill, decode, sizes, args, seed=2000)
+                print("decode engine with the CPU layer's switches off ...", flush=True)
+                report["decode_fixes_off"] = run_pair(prefill, decode, sizes, args, seed=2000)
         finally:
             prefill.close()
             decode.close()
@@ -193,34 +189,38 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(report: dict[str, Any], sizes: dict[str, int]) -> None:
     ms = 1000.0
-    modes = [m for m in ("aggregated", "disaggregated", "disaggregated_fixes_off") if m in report]
+    load = ", ".join(f"{x:.1f}" for x in report["load_average_at_start"])
+    p = report["params"]
     print(
-        f"tiny model, one request at a time, {report['params']['gen_tokens']} generated tokens; times in ms"
+        f"tiny model, one request at a time, {p['gen_tokens']} generated tokens, {p['requests']} requests per "
+        f"size and mode; times in ms (p50 / p90); {report['cpus']} CPUs, load average {load}"
     )
     print(
-        f"{'mode':<26}{'prompt':>7}{'TTFT p50':>10}{'TTFT p90':>10}{'ITL p50':>9}{'ITL p90':>9}"
+        f"{'run':<18}{'mode':<15}{'prompt':>7}{'TTFT p50':>10}{'TTFT p90':>10}{'ITL p50':>9}{'ITL p90':>9}"
         f"{'prefill':>9}{'D wait':>8}{'NIXL xfer':>11}{'KV bytes':>10}"
     )
-    for mode in modes:
+    runs = [r for r in ("layer_on", "decode_fixes_off") if r in report]
+    for run in runs:
         for label, n in sizes.items():
-            r = report[mode][label]
-            extra = ""
-            if "prefill_s_p50" in r:
-                extra = (
-                    f"{r['prefill_s_p50'] * ms:>9.1f}{r['decode_wait_s_p50'] * ms:>8.1f}"
-                    f"{r['nixl_xfer_s_p50'] * ms:>11.2f}{r['kv_bytes_p50']:>10.0f}"
+            for mode in ("aggregated", "disaggregated"):
+                r = report[run][label][mode]
+                extra = ""
+                if "prefill_s_p50" in r:
+                    extra = (
+                        f"{r['prefill_s_p50'] * ms:>9.1f}{r['decode_wait_s_p50'] * ms:>8.1f}"
+                        f"{r['nixl_xfer_s_p50'] * ms:>11.2f}{r['kv_bytes_p50']:>10.0f}"
+                    )
+                print(
+                    f"{run:<18}{mode:<15}{n:>7}{r['ttft_s_p50'] * ms:>10.1f}{r['ttft_s_p90'] * ms:>10.1f}"
+                    f"{r['itl_s_p50'] * ms:>9.2f}{r['itl_s_p90'] * ms:>9.2f}{extra}"
                 )
-            print(
-                f"{mode:<26}{n:>7}{r['ttft_s_p50'] * ms:>10.1f}{r['ttft_s_p90'] * ms:>10.1f}"
-                f"{r['itl_s_p50'] * ms:>9.2f}{r['itl_s_p90'] * ms:>9.2f}{extra}"
-            )
-    for mode in modes[1:]:
-        r = report[mode]
+    for run in runs:
+        r = report[run]
         print(
-            f"{mode}: first pull of a new pair {r['first_pull_decode_wait_s'] * ms:.0f} ms; idle CPU "
+            f"{run}: first pull of a new pair {r['first_pull_decode_wait_s'] * ms:.0f} ms; idle CPU "
             f"prefill {r['idle_cpu_cores']['prefill']:.2f} / decode {r['idle_cpu_cores']['decode']:.2f} cores; "
             f"decode thread affinity {r['affinity']['before']} -> {r['affinity']['after']}; "
-            f"switch interval {r['switch_interval_s'] * 1e3:.1f} ms"
+            f"decode switch interval {r['switch_interval_s'] * 1e3:.1f} ms"
         )
 
 
