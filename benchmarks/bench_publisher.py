@@ -11,8 +11,8 @@ NATS protocol reader, so the receiver never competes with the publisher for the 
 2. records/s one publisher delivers when flooded for ``--seconds``, with delivered / dropped counts
    (ours counts every drop; the runtime's losses are silent, so they show as "unaccounted");
 3. publish-to-receive latency p50 / p99 at 1,000 records/s (receive time stamped by the receiver
-   process on the shared monotonic clock); the two publishers take turns in 1 s rounds so that
-   noise from other processes hits both alike.
+   process on the shared monotonic clock); both publishers run at once, one record each per
+   millisecond half a millisecond apart, so that noise from other processes hits both alike.
 
 Prints a table with ratios (ours / runtime; lower is better for costs and latency).
 """
@@ -330,16 +330,14 @@ def measure(make_pub: Any, url: str, workdir: str, tag: str, seconds: float) -> 
     )
 
 
-def measure_latency(
-    makers: dict[str, Any], url: str, workdir: str, rounds: int, per_round: int = 1000
-) -> dict[str, list[float]]:
-    """Publish-to-receive latency (ms) at 1,000 records/s, the publishers taking turns.
+def measure_latency(makers: dict[str, Any], url: str, workdir: str, seconds: int) -> dict[str, list[float]]:
+    """Publish-to-receive latency (ms) at 1,000 records/s per publisher, all publishers at once.
 
-    Each round sends ``per_round`` records at 1 kHz through each publisher in turn, so machine noise
-    (other processes on a shared box) hits both alike.
+    Each millisecond every publisher gets one record, at evenly spread offsets, so machine noise
+    (other processes on a shared box) hits them at the same moments.
     """
     recvs, pubs, sent_at, recs = {}, {}, {}, {}
-    n = rounds * per_round
+    n = seconds * 1000
     try:
         for name, make in makers.items():
             comp = f"lat{name}"
@@ -348,21 +346,21 @@ def measure_latency(
             pubs[name] = make(comp)
             sent_at[name] = [0.0] * (n + 1)
             recs[name] = [pubs[name].make(i) for i in range(n + 1)]
-        for r in range(rounds):
-            for name, pub in pubs.items():
-                fn, kwargs, times, rr = pub.pub.publish, pub.kwargs, sent_at[name], recs[name]
-                start = PERF() + 0.01
-                for j in range(per_round):
-                    i = r * per_round + j + 1
-                    due = start + j / 1000.0
-                    wait = due - PERF()
-                    if wait > 0:  # sleep-paced: the caller holds the GIL only to publish
-                        time.sleep(wait)
-                    times[i] = PERF()
-                    if kwargs:
-                        fn(**rr[i])
-                    else:
-                        fn(rr[i])
+        slots = [
+            (k / (1000.0 * len(pubs)), pub.pub.publish, pub.kwargs, sent_at[name], recs[name])
+            for k, (name, pub) in enumerate(pubs.items())
+        ]
+        start = PERF() + 0.01
+        for i in range(1, n + 1):
+            for offset, fn, kwargs, times, rr in slots:
+                wait = start + i / 1000.0 + offset - PERF()
+                if wait > 0:  # sleep-paced: the caller holds the GIL only to publish
+                    time.sleep(wait)
+                times[i] = PERF()
+                if kwargs:
+                    fn(**rr[i])
+                else:
+                    fn(rr[i])
         time.sleep(0.2)
     finally:
         for pub in pubs.values():
@@ -475,17 +473,17 @@ async def amain(args: argparse.Namespace) -> int:
             rt = await asyncio.to_thread(
                 measure, lambda c: Runtime(drt, c), server.url, workdir, "r", args.seconds
             )
-            rounds = max(2, round(args.seconds))
+            lat_s = max(2, round(args.seconds))
             lats = await asyncio.to_thread(
                 measure_latency,
                 {"ours": lambda c: Ours(server.url, c), "runtime": lambda c: Runtime(drt, c)},
                 server.url,
                 workdir,
-                rounds,
+                lat_s,
             )
             for res, name in ((ours, "ours"), (rt, "runtime")):
                 res.lat_p50_ms, res.lat_p99_ms = pct(lats[name], 0.5), pct(lats[name], 0.99)
-                res.lat_received, res.lat_sent = len(lats[name]), rounds * 1000
+                res.lat_received, res.lat_sent = len(lats[name]), lat_s * 1000
             print(
                 f"measured in {time.monotonic() - t0:.1f} s; load average before/after "
                 f"{load0:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
