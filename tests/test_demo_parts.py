@@ -272,8 +272,10 @@ def test_percentile() -> None:
 GRANDPARENT = r"""
 import subprocess, sys, time
 # A child in its own session that ignores SIGTERM: only the marker scan can find and kill it.
-subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
-                 start_new_session=True)
+# It touches READY (argv[1]) once its handler is in place.
+code = "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+code += "pathlib.Path(sys.argv[1]).touch(); time.sleep(600)"
+subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], start_new_session=True)
 print("started", flush=True)
 time.sleep(600)
 """
@@ -283,9 +285,10 @@ def test_supervisor_stops_groups_and_orphans_with_the_marker(tmp_path: Path) -> 
     run_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
     sup = Supervisor(tmp_path, run_id)
     script = write_script(tmp_path, "gp.py", GRANDPARENT)
-    m = sup.start("parent", [sys.executable, str(script)])
-    deadline = time.monotonic() + 10
-    while len(pids_with_marker(run_id)) < 2 and time.monotonic() < deadline:
+    ready = tmp_path / "orphan-ready"
+    m = sup.start("parent", [sys.executable, str(script), str(ready)])
+    deadline = time.monotonic() + 20
+    while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(pids_with_marker(run_id)) == 2
     assert sup.check() is None
