@@ -68,6 +68,21 @@ def test_model_path_problem(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert wargs.model_path_problem("org/model") is None
 
 
+def test_prevalidate_fails_fast_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wargs.prevalidate(["--model", str(tmp_path), "--max-num-seqs", "4", "--enforce-eager"])
+    wargs.prevalidate(["--help"])
+    for argv, reason in (
+        (["--model", "/not/here"], "does not exist"),
+        (["--model", str(tmp_path), "--disaggregation-mode", "decode"], "needs --kv-transfer-config"),
+        (["--model", str(tmp_path), "--drain-timeout", "soon"], "invalid float value"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            wargs.prevalidate(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dynamo.vllm: error:") and reason in err[0]
+
+
 def test_component_follows_mode() -> None:
     assert wargs.component_for_mode("prefill") == "prefill"
     assert wargs.component_for_mode("decode") == "backend"
@@ -258,6 +273,16 @@ def test_decode_gets_kv_transfer_params_from_prefill_result() -> None:
     assert params.extra_args["kv_transfer_params"] == kv
     assert decode_kv_transfer_params(_request()) is None
     assert decode_kv_transfer_params(_request(prefill_result={"disaggregated_params": None})) is None
+
+
+def test_router_dp_rank_maps_to_the_local_engine_rank() -> None:
+    from dynamo.vllm.handlers import local_dp_rank
+
+    assert local_dp_rank({"dp_rank": 5}, 4, 2) == 1
+    assert local_dp_rank({"dp_rank": 6}, 4, 2) is None  # not ours: let vLLM choose
+    assert local_dp_rank({"dp_rank": 0}, 0, 1) is None  # one rank: nothing to choose
+    assert local_dp_rank({}, 0, 4) is None
+    assert local_dp_rank(None, 0, 4) is None
 
 
 def _output(token_ids: list[int], finished: bool, reason: str | None = None, kv: Any = None) -> Any:

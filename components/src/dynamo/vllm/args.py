@@ -273,8 +273,29 @@ def _scheduler_name(value: Any) -> str | None:
     return f"{value.__module__}.{value.__qualname__}"
 
 
+def prevalidate(argv: list[str]) -> None:
+    """Check our own flags, the model path and the disaggregation needs before importing vLLM (~10 s)."""
+    if any(a in ("-h", "--help") or a.startswith("--help=") for a in argv):
+        return
+    pre = WorkerArgumentParser(add_help=False, allow_abbrev=False)
+    add_worker_arguments(pre)
+    pre.add_argument("--model", default=None)
+    pre.add_argument("--kv-transfer-config", default=None)
+    ns, _ = pre.parse_known_args(argv)
+    if ns.model:
+        problem = model_path_problem(ns.model)
+        if problem:
+            fail(problem)
+    if ns.disaggregation_mode in ("prefill", "decode") and not ns.kv_transfer_config:
+        fail(
+            f"--disaggregation-mode {ns.disaggregation_mode} needs --kv-transfer-config "
+            '(e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}\')'
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     """Parse and validate; on any problem print one line and exit 2 (no runtime, no engine yet)."""
+    prevalidate(list(sys.argv[1:] if argv is None else argv))
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     parser = build_parser()

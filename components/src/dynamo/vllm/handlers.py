@@ -123,6 +123,14 @@ def output_frame(output: Any, prompt_len: int, generated: int, prefill: bool) ->
     return frame
 
 
+def local_dp_rank(routing: Mapping[str, Any] | None, start_rank: int, size: int) -> int | None:
+    """The engine-local data-parallel rank the router chose, or None to let vLLM pick (out of range too)."""
+    rank = (routing or {}).get("dp_rank")
+    if not isinstance(rank, int) or size <= 1 or not start_rank <= rank < start_rank + size:
+        return None
+    return rank - start_rank
+
+
 def _finish_reason(reason: str | None) -> str:
     if reason in ("stop", "length", "error"):
         return reason
@@ -141,12 +149,16 @@ class RequestHandler:
         tracker: InflightTracker,
         model_max_len: int | None,
         default_sampling: Mapping[str, Any] | None = None,
+        dp_start_rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
         self.engine = engine
         self.mode = mode
         self.tracker = tracker
         self.model_max_len = model_max_len
         self.default_sampling = dict(default_sampling or {})
+        self.dp_start_rank = dp_start_rank
+        self.dp_size = dp_size
 
     def _params(self, request: Mapping[str, Any]) -> Any:
         if self.mode == "prefill":
@@ -181,7 +193,10 @@ class RequestHandler:
             try:
                 from vllm.inputs import TokensPrompt
 
-                stream = self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id)
+                dp_rank = local_dp_rank(request.get("routing"), self.dp_start_rank, self.dp_size)
+                stream = self.engine.generate(
+                    TokensPrompt(prompt_token_ids=token_ids), params, request_id, data_parallel_rank=dp_rank
+                )
                 async for output in stream:
                     if context is not None and context.is_stopped():
                         log.info("request %s cancelled by the client (context stopped)", request_id)

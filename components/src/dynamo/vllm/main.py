@@ -139,6 +139,8 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
             tracker,
             capacity.context_length,
             model_config.get_diff_sampling_param(),
+            capacity.data_parallel_start_rank,
+            capacity.data_parallel_size,
         )
         serve_task = asyncio.ensure_future(
             endpoint.serve_endpoint(
