@@ -375,3 +375,25 @@ def test_parse_fpm_line_of_the_watch_cli_format() -> None:
     }
     s = signals.parse_fpm_line(line)
     assert s is not None and s.t == 1700000000.5 and s.pool == "prefill" and s.queued_prefill_tokens == 40
+
+
+@pytest.mark.parametrize("agg", [False, True], ids=["disagg", "agg"])
+def test_the_planner_accepts_the_demos_config(tmp_path: Path, agg: bool) -> None:
+    """The real planner validates the configuration the demo gives it (catches drift in its keys)."""
+    cfg = stack.DemoConfig(run_dir=tmp_path, model_dir=tmp_path / "m", discovery_dir=tmp_path / "d",
+                           nats_port=4999, http_port=8999, agg=agg)  # fmt: skip
+    argv = stack.planner_argv(cfg)
+    assert argv[argv.index("--connector") + 1] == "local"
+    config = argv[argv.index("--config") + 1]
+    out = subprocess.run(
+        [sys.executable, "-m", "dynamo.planner", "config", "--config", config],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    effective = json.loads(out.stdout)
+    assert effective["connector"] == "local" and effective["namespace"] == "demo"
+    assert effective["decode"]["max_replicas"] == 2
+    assert effective["prefill"]["max_replicas"] == (0 if agg else 2)
+    assert effective["local"]["initial_decode"] == 1

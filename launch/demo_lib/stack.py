@@ -177,7 +177,8 @@ def planner_config(cfg: DemoConfig) -> dict[str, object]:
         "discovery_backend": "file",  # model cards (capacity) from the demo's file discovery
         "decision_log": str(cfg.decision_path),
         "local": {
-            "prefill_command": "" if cfg.agg else worker_template(cfg, "prefill"),
+            # Aggregated: the prefill pool is pinned at 0 replicas; its template is never used.
+            "prefill_command": worker_template(cfg, "agg" if cfg.agg else "prefill"),
             "decode_command": worker_template(cfg, decode_mode),
             "log_dir": str(cfg.run_dir / "logs"),
             "initial_prefill": 0 if cfg.agg else 1,
