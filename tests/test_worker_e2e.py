@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -236,6 +239,15 @@ async def test_fpm_records_arrive_under_the_worker_id(stack: Stack) -> None:
     from dynamo.common import forward_pass_metrics as fpm
     from dynamo.common.fpm_subjects import decode_envelope, fpm_subject
 
+    # The operator's view: the watch CLI prints this worker's records as JSON lines.
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dynamo.common.recv_forward_pass_metrics", "--namespace", "dynamo", "--json"],
+        env={**os.environ, "NATS_SERVER": stack.nats_url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     nc = await nats.connect(stack.nats_url)
     records: list[Any] = []
     try:
@@ -252,6 +264,13 @@ async def test_fpm_records_arrive_under_the_worker_id(stack: Stack) -> None:
                 records.append(record)
     finally:
         await nc.close()
+        await asyncio.sleep(2.5)  # at least two idle heartbeats reach the watcher too
+        watch.terminate()
+        watched, _ = await asyncio.to_thread(watch.communicate, timeout=20)
+    lines = [json.loads(line) for line in watched.splitlines() if line.startswith("{")]
+    assert any(d["worker_id"] == stack.worker_id and d["component"] == "backend" for d in lines), watched[
+        -2000:
+    ]
     assert records, "no FPM record arrived"
     assert {r.worker_id for r in records} == {stack.worker_id}
     assert any(r.wall_time > 0 and r.scheduled_requests.num_decode_requests >= 0 for r in records)
