@@ -176,6 +176,8 @@ so the right reaction is to scale decode up, leave prefill alone, and return bot
 "KV transfer in flight" is decode work waiting for its KV from a prefill worker; "KV ready" waits only for a slot.</p>
 {plots}
 <h2>Request latency (successful requests)</h2>
+<p>TTFT: time to the first streamed token. ITL: a request's mean inter-token latency (first to last token over
+the gaps between them); percentiles over requests.</p>
 <p>Requests still running when their phase ended were cut off on purpose (client disconnect) and are counted
 as "cut off", not as failures; their tokens and timings up to then are included.</p>
 <table><tr><th>phase</th><th>requests</th><th>failed</th><th>cut off</th><th>tokens</th><th>TTFT p50</th><th>TTFT p90</th>

@@ -74,7 +74,12 @@ def judge(
         first = decode_ups[0]
         line1 = (
             f"Right pool: YES - decode scaled {first.current} -> {first.desired} during the decode-heavy "
-            f"burst (peak {peak}); prefill never scaled up."
+            f"burst (peak {peak}); "
+            + (
+                "prefill never scaled up."
+                if minimum.get("prefill", 0) > 0
+                else "no prefill pool (aggregated)."
+            )
         )
     elif decode_ups:
         line1 = f"Right pool: PARTLY - decode scaled up (peak {peak}), but prefill scaled up too."
