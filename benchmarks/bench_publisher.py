@@ -379,7 +379,8 @@ def print_table(ours: Result, rt: Result, overhead_ns: int) -> None:
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}x" if b else "-"
 
-    targets = {"flood alone": ("<= 0.5 us", "<= 2 us")}
+    # The targets cover the flood, alone and beside a busy thread; the cycle row is extra.
+    targets = {"cycle + busy thread": ("(info)", "(info)")}
     for scenario in ours.cost:
         (om, op), (rm, rp) = ours.cost[scenario], rt.cost[scenario]
         tm, tp = targets.get(scenario, ("<= 0.5 us", "<= 2 us"))

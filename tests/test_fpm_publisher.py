@@ -129,10 +129,10 @@ async def test_idle_heartbeat_and_idle_record_and_suspension(nats_server: Embedd
 
 async def test_heartbeat_only_when_nothing_was_sent(nats_server: EmbeddedNatsServer) -> None:
     col = await Collector(nats_server.url, fpm_subject(NS, "backend")).start()
-    pub = make_pub(nats_server.url, worker_id="busy", heartbeat_interval=0.3)
+    pub = make_pub(nats_server.url, worker_id="busy", heartbeat_interval=1.0)
     try:
-        t_end = time.monotonic() + 1.2
-        while time.monotonic() < t_end:  # a record every 50 ms: never idle for 0.3 s
+        t_end = time.monotonic() + 2.5
+        while time.monotonic() < t_end:  # a record every 50 ms: never idle for 1 s
             pub.publish(full_record("busy"))
             await asyncio.sleep(0.05)
         assert await wait_until(lambda: pub.stats().queued == 0)
@@ -383,7 +383,7 @@ def test_flood_does_not_starve_the_sender(nats_server: EmbeddedNatsServer) -> No
     pub.close()
     st = pub.stats()
     # A sender starved by the flood would have sent (almost) nothing during it (measured: ~100k/s).
-    assert during >= 10_000, st
+    assert during >= 2_000, st
     assert st.published + st.dropped == offered and st.queued == 0
     assert st.dropped > 0  # the flood outran the sender: drops happened and were counted
 

@@ -15,9 +15,9 @@ busy thread runs beside it, so the hand-off avoids it:
   ``publish()`` after such an idle spell wakes it, with ``Lock.release()``, which does not release
   the caller's GIL either.
 
-Overflow policy: the queue keeps the newest ``max_queue`` records and drops the oldest. Every
-record carries its arrival index, so the sender counts each drop exactly and leaves a matching gap
-in ``counter_id``: consumers see lost records as gaps, and ``stats().dropped`` counts them.
+Overflow policy: the queue keeps the newest ``max_queue`` records and drops the oldest. The sender
+counts the drops from the arrival counter (arrivals = sent + dropped + queued) and leaves matching
+gaps in ``counter_id``: consumers see lost records as gaps, and ``stats().dropped`` counts them.
 While NATS is down nothing is sent; the queue keeps the newest records and they go out (oldest
 first) once a connection is back. The sender reconnects forever with exponential backoff.
 
@@ -143,17 +143,21 @@ class FpmDirectPublisher:
         self._raw_frames = True  # set per connection: does this nats-py have the internals we use?
         self._direct = False  # set per connection: a plain TCP transport we may write to directly
         # Hot path state: publish() touches only the queue, the arrival counter and the park flag.
-        self._q: collections.deque[tuple[int, Any]] = collections.deque(maxlen=max_queue)
-        self._arrivals = itertools.count()
+        self._q: collections.deque[Any] = collections.deque(maxlen=max_queue)
+        self._arrivals = itertools.count()  # next() once per publish(), after the append
         self._idle_record: ForwardPassMetrics | None = ForwardPassMetrics(
             worker_id=worker_id, dp_rank=dp_rank, wall_time=0.0
         )
         # Sender-thread state.
-        self._expected = 0  # arrival index of the next record the sender expects
-        self._counter_id = 0
+        # Accounting: arrivals = taken (popped) + overflow (dropped by the full queue) + queued.
+        # counter_id of a record = its arrival index + heartbeats sent before it, so every drop
+        # leaves a gap.
+        self._taken = 0
+        self._overflow = 0
+        self._heartbeat_ids = 0
+        self._lost = 0  # unencodable records, failed writes, records left at close
         self._sequence = 0
         self._published = 0
-        self._dropped = 0
         self._heartbeats = 0
         self._reconnects = 0
         self._connected = False
@@ -172,7 +176,8 @@ class FpmDirectPublisher:
     # ----------------------------------------------------------------- caller side (hot path)
     def publish(self, record: ForwardPassMetrics) -> None:
         """Hand a record over; never raises, never blocks (drop-oldest when the queue is full)."""
-        self._q.append((next(self._arrivals), record))
+        self._q.append(record)
+        next(self._arrivals)
         if self._parked:  # only the first record after an idle spell wakes the sender
             self._unpark()
 
@@ -193,7 +198,7 @@ class FpmDirectPublisher:
     def stats(self) -> PublisherStats:
         return PublisherStats(
             published=self._published,
-            dropped=self._dropped + self._unnoticed_drops(),
+            dropped=self._lost + self._overflow + self._unnoticed_drops(),
             heartbeats=self._heartbeats,
             reconnects=self._reconnects,
             queued=len(self._q),
@@ -221,13 +226,23 @@ class FpmDirectPublisher:
         self.close()
 
     # ----------------------------------------------------------------- sender thread
-    def _unnoticed_drops(self) -> int:
-        """Drops the sender has not reached yet: the oldest queued arrival index tells."""
+    def _arrived(self) -> int:
+        """How many records publish() has handed over (the counter's value, read without a step)."""
         try:
-            oldest = self._q[0][0]
-        except IndexError:
-            return 0
-        return max(0, oldest - self._expected)
+            return int(repr(self._arrivals)[6:-1])  # "count(N)"
+        except ValueError:  # an interpreter with another repr: drops then show only as queue gaps
+            return self._taken + self._overflow + len(self._q)
+
+    def _overflow_now(self) -> int:
+        """Drops by the full queue so far. Read in this order, a publish() in flight can only make
+        the figure low (never a phantom drop); it is exact once the caller pauses."""
+        arrived = self._arrived()
+        taken = self._taken
+        return max(self._overflow, arrived - taken - len(self._q))
+
+    def _unnoticed_drops(self) -> int:
+        """Queue drops the sender has not accounted for yet."""
+        return self._overflow_now() - self._overflow
 
     def _thread_main(self) -> None:
         _reduce_timer_slack()
@@ -308,10 +323,12 @@ class FpmDirectPublisher:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await conn_task
             # Whatever could not be sent is lost: count it.
-            left = len(self._q) + self._unnoticed_drops()
-            self._q.clear()
-            self._dropped += left
-            self._expected += left
+            self._overflow = self._overflow_now()
+            left = len(self._q)
+            self._taken += left
+            self._lost += left
+            for _ in range(left):
+                self._q.popleft()
             if self.stats_file:
                 self._write_stats_file()
 
@@ -348,20 +365,20 @@ class FpmDirectPublisher:
         sizes = _SIZE_SUFFIX
         pid = self.publisher_id
         now_ms = time.time_ns() // 1_000_000
-        expected, counter, seq = self._expected, self._counter_id, self._sequence
-        dropped = 0
+        seq = self._sequence
+        self._overflow = self._overflow_now()
+        counter = self._taken + self._overflow + self._heartbeat_ids  # id of the next record popped
+        n = min(len(q), BATCH_MAX)
+        self._taken += n  # before popping: a concurrent stats() may undercount drops, never invent one
+        lost = 0
         frames: list[bytes] = []
         frame = frames.append
-        for _ in range(min(len(q), BATCH_MAX)):
-            index, record = popleft()
-            if index != expected:  # drop-oldest removed these: leave the gap visible to consumers
-                dropped += index - expected
-                counter += index - expected
-            expected = index + 1
+        for _ in range(n):
+            record = popleft()
             try:
                 payload = encode(replace(record, counter_id=counter))
             except Exception as exc:
-                dropped += 1
+                lost += 1
                 counter += 1
                 self._last_error = f"unencodable record: {exc!r}"[:300]
                 continue
@@ -373,8 +390,7 @@ class FpmDirectPublisher:
             frame(b"\r\n")
             seq += 1
             counter += 1
-        self._expected, self._counter_id = expected, counter
-        self._dropped += dropped
+        self._lost += lost
         if not frames:
             return
         sent = seq - self._sequence
@@ -382,7 +398,7 @@ class FpmDirectPublisher:
             self._sequence = seq
             self._published += sent
         else:
-            self._dropped += sent  # counters keep advancing: consumers see the gap
+            self._lost += sent  # counters keep advancing: consumers see the gap
 
     async def _write(self, nc: Any, frames: list[bytes]) -> bool:
         """Write pre-built PUB frames (4 parts per message) in one go.
@@ -414,7 +430,8 @@ class FpmDirectPublisher:
         if record is None:
             return
         try:
-            payload = _record_encoder.encode(msgspec.structs.replace(record, counter_id=self._counter_id))
+            counter = self._taken + self._overflow_now() + self._heartbeat_ids
+            payload = _record_encoder.encode(msgspec.structs.replace(record, counter_id=counter))
             env = encode_envelope(
                 EventEnvelope(
                     self.publisher_id, self._sequence, time.time_ns() // 1_000_000, FPM_TOPIC, payload
@@ -426,7 +443,7 @@ class FpmDirectPublisher:
         if not await self._write(nc, [self._pub_head, b"%d\r\n" % len(env), env, b"\r\n"]):
             return
         self._sequence += 1
-        self._counter_id += 1
+        self._heartbeat_ids += 1
         self._heartbeats += 1
 
     def _write_stats_file(self) -> None:
