@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import subprocess
 import time
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+import pytest
 from dynamo.common.forward_pass_metrics import (
     ForwardPassMetrics,
     QueuedRequestMetrics,
@@ -131,6 +133,8 @@ class CustomNatsServer:
 
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (its own CA) and its key, made with openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
     cert, key = directory / "server.pem", directory / "server.key"
     subprocess.run(
         [
