@@ -49,7 +49,7 @@ def build(cls: type, model_dir: Path, queued: int, *, remote: bool = False) -> A
 
     spec = SchedSpec(
         model_dir,
-        num_blocks=16384,
+        num_blocks=65536 if remote else 16384,
         max_num_seqs=RUNNING,
         max_num_batched_tokens=4096,
         max_model_len=4096,
@@ -57,13 +57,18 @@ def build(cls: type, model_dir: Path, queued: int, *, remote: bool = False) -> A
         kv_connector_module_path="dynamo.vllm.test_connectors" if remote else None,
     )
     sched = make_scheduler(cls, spec)
+    if remote:  # park them first (a parked request holds KV blocks but no run slot)
+        for i in range(queued):
+            sched.add_request(make_request(PROMPT * 2, 64, seed_token=1000 + i, remote_prefill=True))
+        step(sched)
     for i in range(RUNNING):
         sched.add_request(make_request(PROMPT, 100_000, seed_token=i))
     for _ in range(3):
         step(sched)
-    for i in range(queued):
-        sched.add_request(make_request(PROMPT * 2, 64, seed_token=1000 + i, remote_prefill=remote))
-    step(sched)
+    if not remote:
+        for i in range(queued):
+            sched.add_request(make_request(PROMPT * 2, 64, seed_token=1000 + i))
+        step(sched)
     return sched
 
 
