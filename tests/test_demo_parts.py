@@ -397,3 +397,19 @@ def test_the_planner_accepts_the_demos_config(tmp_path: Path, agg: bool) -> None
     assert effective["decode"]["max_replicas"] == 2
     assert effective["prefill"]["max_replicas"] == (0 if agg else 2)
     assert effective["local"]["initial_decode"] == 1
+
+
+def test_stall_is_measured_only_while_requests_are_in_flight() -> None:
+    now = time.time()
+    state = load.LoadState(phase_started=now - 100)
+    assert state.stalled_for(now) == 0.0
+    state.in_flight = 3
+    assert state.stalled_for(now) == pytest.approx(100)
+    state.last_token_at = now - 2
+    assert state.stalled_for(now) == pytest.approx(2)
+
+
+def test_load_driver_records_the_last_token_time(fake_openai: str) -> None:
+    before = time.time()
+    state = asyncio.run(load.run_load(fake_openai, "tiny", [load.Phase("burst", 0.3, 1, max_tokens=3)]))
+    assert state.last_token_at >= before

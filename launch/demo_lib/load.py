@@ -77,6 +77,14 @@ class LoadState:
     last_error: str = ""
     results: list[RequestResult] = field(default_factory=list)
     phase_times: list[tuple[str, float, float]] = field(default_factory=list)  # name, start, end (epoch)
+    last_token_at: float = 0.0  # epoch seconds of the latest streamed token of any request
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds without any streamed token while requests are in flight (0 when none are)."""
+        if not self.in_flight:
+            return 0.0
+        now = now or time.time()
+        return now - max(self.last_token_at, self.phase_started)
 
     def progress(self, now: float | None = None) -> float:
         if not self.total_s or not self.started:
@@ -107,6 +115,7 @@ async def stream_completion(
     body: dict[str, object],
     phase: str,
     res: RequestResult | None = None,
+    state: LoadState | None = None,
 ) -> RequestResult:
     """One streaming request; never raises except CancelledError (errors are recorded in ``res``)."""
     res = res or RequestResult(phase=phase, start=time.time(), ok=False)
@@ -136,6 +145,8 @@ async def stream_completion(
                 if text is None or (text == "" and choices[0].get("finish_reason")):
                     continue  # not a token (a final or bookkeeping frame)
                 now = time.perf_counter()
+                if state is not None:
+                    state.last_token_at = time.time()
                 res.tokens += 1
                 if last is None:
                     res.ttft_s = now - t0
@@ -188,7 +199,7 @@ async def run_load(
                     result = RequestResult(phase=phase.name, start=time.time(), ok=False)
                     state.in_flight += 1
                     try:
-                        await stream_completion(client, base_url, body, phase.name, result)
+                        await stream_completion(client, base_url, body, phase.name, result, state)
                     except asyncio.CancelledError:
                         state.results.append(result)  # cut off at the phase's end: keep its timings
                         raise

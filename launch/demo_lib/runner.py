@@ -28,6 +28,7 @@ from .supervisor import Failure, Supervisor
 from .verdict import Verdict, judge
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TIMEOUT = 0, 1, 130, 3
+STALL_WARN_S = 45.0  # no streamed token for this long while requests are in flight: say so
 
 
 class ComponentFailed(RuntimeError):
@@ -77,6 +78,7 @@ class DemoRun:
         self.load = LoadState()
         self.t0 = time.time()
         self._last_compact = 0.0
+        self._stall_warned = False
         self.verdict: Verdict | None = None
         self.report_path: Path | None = None
 
@@ -102,9 +104,25 @@ class DemoRun:
         if failure is not None:
             raise ComponentFailed(failure)
         engines = self.signals.live_engines()
+        stalled = self.load.stalled_for()
+        if stalled >= STALL_WARN_S and not self._stall_warned:
+            self._stall_warned = True
+            self.say(
+                f"WARNING: {self.load.in_flight} requests in flight but no token for {stalled:.0f} s: the stack "
+                f"looks stuck (KV transfer between prefill and decode?); see {self.cfg.run_dir / 'logs'}"
+            )
+        elif stalled == 0.0 or self.load.last_token_at > time.time() - 5:
+            self._stall_warned = False
         if self.live:
             screen = render(
-                self.load, engines, self.signals.decisions, self.replicas(), self.t0, title, notes=self.notes
+                self.load,
+                engines,
+                self.signals.decisions,
+                self.replicas(),
+                self.t0,
+                title,
+                notes=self.notes
+                + ([f"WARNING: no token for {stalled:.0f} s"] if stalled >= STALL_WARN_S else []),
             )
             self.out.write(CLEAR + screen + "\n")
             self.out.flush()
