@@ -74,8 +74,13 @@ def missing_hooks(base: type) -> list[str]:
 class FpmInstrumentation:
     """The instrumentation, as a mixin over a vLLM scheduler class (also used over stub layouts in tests).
 
-    Call ``_fpm_setup(base)`` at the end of ``__init__``.
+    Call ``_fpm_setup(base)`` at the end of ``__init__``. The class attributes below keep every hook a
+    plain pass-through until then (in case the base constructor calls one).
     """
+
+    _fpm_on = False
+    _fpm_q: IncrementalQueue | None = None
+    _fpm_mode = "off"
 
     # --------------------------------------------------------------- setup
     def _fpm_setup(self, base: type, status_enum: Any = RequestStatus) -> None:
