@@ -45,6 +45,11 @@ test: setup
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The demo: embedded NATS, file discovery, tiny model, frontend, prefill + decode workers, planner, load, report.
+DEMO_ARGS ?=
+demo: setup
+	$(PY) launch/demo.py $(DEMO_ARGS)
+
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
