@@ -321,3 +321,59 @@ def test_drift_guard_waiting_requests_live_only_where_the_classifier_looks(build
         assert in_queues == by_status, "a waiting request is outside the scanned containers (or vice versa)"
         exact(sched)
     assert {"PREEMPTED", "WAITING_FOR_REMOTE_KVS", "WAITING", "RUNNING"} <= seen_statuses
+
+
+# ---------------------------------------------------------------- audit and scan mode
+def test_audit_detects_and_repairs_a_missed_change(model_dir: Path) -> None:
+    """Negative control for the safety net: a hook that misses preemptions drifts; the audit repairs it."""
+    from dynamo.vllm.instrumented_scheduler import FpmInstrumentation
+
+    class Blind(capturing_scheduler_cls()):  # type: ignore[misc]
+        def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+            super(FpmInstrumentation, self)._preempt_request(request, *args, **kwargs)  # skips the hook
+
+    with fpm_env(DYN_FPM_WORKER_ID="blind", DYN_FPM_AUDIT_INTERVAL="0.000001"):
+        sched = make_scheduler(Blind, SchedSpec(model_dir, num_blocks=10, max_num_batched_tokens=512))
+    try:
+        for _ in range(3):
+            sched.add_request(make_request(40, 60))
+        for _ in range(120):
+            step(sched)
+            if sched.fpm_counters()["audit_mismatches"]:
+                break
+        assert sched.fpm_counters()["audit_mismatches"] >= 1
+        # Every published record was audited (interval ~0), so each one carries the repaired totals.
+        assert records(sched)[-1].queued_requests == sched.fpm_scan_queued()
+    finally:
+        sched.shutdown()
+
+
+def test_scan_mode_publishes_the_same_records_as_incremental(model_dir: Path) -> None:
+    """The two accounting modes, fed the same workload in lockstep, publish identical records."""
+    made = {}
+    for mode in ("scan", "incremental"):
+        with fpm_env(DYN_FPM_WORKER_ID="w", DYN_FPM_QUEUE_ACCOUNTING=mode, DYN_FPM_AUDIT_INTERVAL="0"):
+            made[mode] = make_scheduler(
+                capturing_scheduler_cls(), SchedSpec(model_dir, num_blocks=10, **TEST_CONNECTOR)
+            )
+    try:
+        assert [s.fpm_mode for s in made.values()] == ["scan", "incremental"]
+        for sched in made.values():
+            sched.add_request(make_request(50, 4, remote_prefill=True, seed_token=1))
+            for i in range(3):
+                sched.add_request(make_request(40, 60, seed_token=10 + i))
+        for i in range(40):
+            for sched in made.values():
+                parked = [r.request_id for r in status_of(sched, "WAITING_FOR_REMOTE_KVS")]
+                step(sched, finished_recving=parked if i == 5 else ())
+        scan, inc = (records(s) for s in made.values())
+        strip = [(r.scheduled_requests, r.queued_requests) for r in scan]
+        assert strip == [(r.scheduled_requests, r.queued_requests) for r in inc]
+        assert any(r.queued_requests.num_decode_kv_transfer_requests for r in scan)
+        assert any(
+            r.queued_requests.num_decode_requests > r.queued_requests.num_decode_kv_transfer_requests
+            for r in scan
+        )
+    finally:
+        for sched in made.values():
+            sched.shutdown()
