@@ -279,3 +279,48 @@ def test_disabled_by_env_publishes_nothing() -> None:
     assert sched.fpm_mode == "off" and sched._fpm_pub is None
     sched.add_request(req("w", OldStatus.WAITING))
     sched.update_from_output(sched.schedule(), None)
+
+
+def test_scheduled_summary_rules_and_old_cached_layout() -> None:
+    """Per-request scheduled rules on stub outputs, in the old layout (flags, no num_output_tokens)."""
+    from dynamo.vllm.fpm_accounting import summarize_scheduled
+
+    def r(prompt: int, outputs: int, preemptions: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(
+            num_prompt_tokens=prompt,
+            num_tokens=prompt + outputs,
+            num_output_tokens=outputs,
+            num_preemptions=preemptions,
+        )
+
+    requests = {
+        "new": r(30, 0),
+        "arrived": r(64, 0),
+        "chunk": r(100, 0),
+        "dec": r(20, 5),
+        "resumed": r(40, 10, preemptions=1),
+    }
+    out = SimpleNamespace(
+        num_scheduled_tokens={"new": 30, "arrived": 1, "chunk": 36, "dec": 1, "resumed": 50},
+        scheduled_spec_decode_tokens={},
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="new", num_computed_tokens=0),
+            SimpleNamespace(req_id="arrived", num_computed_tokens=63),
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["chunk", "dec", "resumed"],
+            num_computed_tokens=[64, 24, 0],
+            resumed_from_preemption=[False, False, True],
+        ),
+    )
+    arrived = {"arrived"}
+    s = summarize_scheduled(out, requests, arrived)
+    assert arrived == set()  # consumed by its first scheduling
+    # Prefill: new (30 tokens), chunk continuation (36, reads 64), resumed recompute (50, length 50).
+    assert (s.num_prefill_requests, s.sum_prefill_tokens, s.sum_prefill_kv_tokens) == (3, 30 + 36 + 50, 64)
+    lengths = [30, 100, 50]
+    mean = sum(lengths) / 3
+    assert s.var_prefill_length == pytest.approx(sum((x - mean) ** 2 for x in lengths) / 3)
+    # Decode: the KV-arrived request computing its last prompt token, and the running decode.
+    assert (s.num_decode_requests, s.sum_decode_kv_tokens) == (2, 63 + 24)
+    assert s.var_decode_kv_tokens == pytest.approx(((63 - 43.5) ** 2 + (24 - 43.5) ** 2) / 2)

@@ -63,10 +63,10 @@ def summarize_scheduled(
         p_sq += length * length
 
     cached = output.scheduled_cached_reqs
-    resumed = cached.resumed_req_ids
+    resumed, out_tokens_list = _cached_layout(cached, requests)
     if (
         not resumed
-        and 0 not in cached.num_output_tokens
+        and 0 not in out_tokens_list
         and (not ever_preempted or ever_preempted.isdisjoint(cached.req_ids))
     ):
         computed = cached.num_computed_tokens
@@ -75,9 +75,7 @@ def summarize_scheduled(
         d_sq += sum(map(mul, computed, computed))
         return _metrics(p_n, p_tok, p_kv, p_s, p_sq, d_n, d_s, d_sq)
 
-    for rid, c, out_tokens in zip(
-        cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens, strict=True
-    ):
+    for rid, c, out_tokens in zip(cached.req_ids, cached.num_computed_tokens, out_tokens_list, strict=True):
         req = requests[rid]
         prompt = req.num_prompt_tokens
         if resumed and rid in resumed:
@@ -104,6 +102,19 @@ def summarize_scheduled(
         p_s += length
         p_sq += length * length
     return _metrics(p_n, p_tok, p_kv, p_s, p_sq, d_n, d_s, d_sq)
+
+
+def _cached_layout(cached: Any, requests: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(resumed ids, output-token counts) of a CachedRequestData, also for older vLLM layouts
+    (``resumed_from_preemption`` flags, no ``num_output_tokens``)."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is None:
+        flags = getattr(cached, "resumed_from_preemption", ())
+        resumed = {rid for rid, flag in zip(cached.req_ids, flags, strict=False) if flag}
+    out_tokens = getattr(cached, "num_output_tokens", None)
+    if out_tokens is None:
+        out_tokens = [requests[rid].num_output_tokens for rid in cached.req_ids]
+    return resumed, out_tokens
 
 
 def _metrics(
