@@ -413,3 +413,30 @@ def test_load_driver_records_the_last_token_time(fake_openai: str) -> None:
     before = time.time()
     state = asyncio.run(load.run_load(fake_openai, "tiny", [load.Phase("burst", 0.3, 1, max_tokens=3)]))
     assert state.last_token_at >= before
+
+
+UNMARKED_CHILDREN = r"""
+import os, subprocess, sys, time
+# Like vLLM's renamed engine processes: children whose environment no longer shows the marker,
+# one in our session, one in a session of its own.
+bare = {"PATH": os.environ.get("PATH", "")}
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=bare)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=bare, start_new_session=True)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_processes_without_the_marker_are_found_by_session_and_parentage(tmp_path: Path) -> None:
+    run_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    sup = Supervisor(tmp_path, run_id)
+    script = write_script(tmp_path, "unmarked.py", UNMARKED_CHILDREN)
+    m = sup.start("parent", [sys.executable, str(script)])
+    deadline = time.monotonic() + 20
+    while len(pids_with_marker(run_id)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = pids_with_marker(run_id)
+    assert len(found) == 3 and m.pid in found
+    assert os.getpid() not in found
+    sup.stop_all(timeout=5)
+    assert pids_with_marker(run_id) == []

@@ -67,30 +67,51 @@ def tail_lines(path: Path, n: int = 20) -> str:
     return "\n".join(data.splitlines()[-n:])
 
 
-def pids_with_marker(marker_value: str) -> list[int]:
-    """Live processes whose environment holds ``DEMO_RUN_ID=<marker_value>`` (readable ones only)."""
-    needle = f"{RUN_MARKER}={marker_value}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as fh:
-                env = fh.read()
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and not _is_zombie(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
-def _is_zombie(pid: int) -> bool:
+def _stat(pid: str) -> tuple[int, int, str] | None:
+    """(ppid, session id, state) of a process, None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"Z"
-    except (OSError, ValueError):
-        return True
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return int(fields[1]), int(fields[3]), fields[0].decode()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pids_with_marker(marker_value: str) -> list[int]:
+    """Live processes of a run: those whose environment holds ``DEMO_RUN_ID=<marker_value>``, plus their
+    descendants and the other members of their sessions.
+
+    The environment alone is not enough: vLLM renames its engine processes (``VLLM::EngineCore``) by
+    rewriting the memory that ``/proc/<pid>/environ`` shows, so the marker disappears from them.
+    """
+    needle = f"{RUN_MARKER}={marker_value}".encode()
+    procs: dict[int, tuple[int, int]] = {}  # pid -> (ppid, sid), live ones only
+    marked: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        st = _stat(entry.name)
+        if st is None or st[2] == "Z":
+            continue
+        pid = int(entry.name)
+        procs[pid] = (st[0], st[1])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    marked.add(pid)
+        except OSError:
+            continue
+    own_sid = os.getsid(0)
+    sessions = {procs[p][1] for p in marked if procs[p][1] != own_sid}
+    found = set(marked) | {p for p, (_, sid) in procs.items() if sid in sessions}
+    grew = True
+    while grew:  # descendants (a child may have started a session of its own)
+        new = {p for p, (ppid, _) in procs.items() if ppid in found and p not in found}
+        found |= new
+        grew = bool(new)
+    found.discard(os.getpid())
+    return sorted(found)
 
 
 def _cmdline(pid: int) -> str:
