@@ -25,6 +25,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", "32"]
 
 
+def low_free_port() -> int:
+    """A free loopback port below 32768: the 1.6.1 runtime parses DYN_SYSTEM_PORT as a signed 16-bit int."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
+
+
 def base_env(file_kv: Path, nats_url: str | None = None, **extra: str) -> dict[str, str]:
     """Environment for a frontend or worker process: loopback, offline, file discovery in ``file_kv``."""
     env = dict(os.environ)
