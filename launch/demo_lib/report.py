@@ -81,13 +81,18 @@ def replica_series(decisions: list[Decision], t0: float, minimum: dict[str, int]
 def make_charts(data: ReportData) -> list[tuple[str, Chart]]:
     """(file stem, chart) pairs, in report order."""
     t0 = data.t0
-    end = max(
-        [t0 + 1.0]
-        + [s.t for s in data.samples]
-        + [d.t for d in data.decisions]
-        + [e for _, _, e in data.phase_times]
-    )
+    end = (
+        max(
+            [t0 + 1.0]
+            + [s.t for s in data.samples]
+            + [d.t for d in data.decisions]
+            + [e for _, _, e in data.phase_times]
+        )
+        + 5.0
+    )  # a little room after the last event, so a final step down stays visible
     bands = [Band(s - t0, e - t0, n, BAND_COLORS.get(n, "#f6f6f6")) for n, s, e in data.phase_times]
+    if data.phase_times and end - data.phase_times[-1][2] > 6.0:
+        bands.append(Band(data.phase_times[-1][2] - t0, end - t0, "settle", "#f6f6f6"))
     actions = [
         Marker(d.t - t0, f"{d.pool} {d.current}->{d.desired}", "#d62728" if d.pool == "decode" else "#1f77b4")
         for d in data.decisions
