@@ -9,6 +9,7 @@ a new frontend with a prefill and a decode worker (vLLM's NixlConnector with a C
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ PROMPTS = {
     "long": " ".join(["the cat sat on a mat and it was warm"] * 15),  # 150 words: 5 KV blocks
 }
 MAX_TOKENS = 16
+KV_LEASE_S = 30.0  # NixlConnector's default lease on the prefill side's blocks
 
 
 def _kv(role: str) -> str:
@@ -44,7 +46,7 @@ def _kv(role: str) -> str:
 
 def _complete(base_url: str, prompt: str) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    status, out = http_json(f"{base_url}/v1/completions", body, timeout=120)
+    status, out = http_json(f"{base_url}/v1/completions", body, timeout=60)
     assert status == 200, out
     return out
 
@@ -65,12 +67,27 @@ def _serve(work: Path, nats_url: str, phase: str, workers: dict[str, list[str]],
             )
         base_url = f"http://127.0.0.1:{port}"
         wait_until(lambda: model_ready(base_url, MODEL), timeout=420, procs=procs)
-        return {name: _complete(base_url, prompt) for name, prompt in PROMPTS.items()}
+        results = {}
+        for name, prompt in PROMPTS.items():
+            started = time.monotonic()
+            results[name] = _complete(base_url, prompt)
+            results[name]["elapsed_s"] = time.monotonic() - started
+        return results
     finally:
         for proc in procs:
             proc.stop()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=(TimeoutError, AssertionError, OSError),
+    reason=(
+        "known bug (issue 5, open): with the worker's multi-process engine and nixl_cpu's default 2 ms UCX "
+        "progress delay the decode side's NIXL read never completes, so the request times out; with delay 0 "
+        "it completes but both engines busy-poll the 2 cores (tests/test_worker_disagg_e2e.py covers that "
+        "path). Strict: this test fails the suite as soon as the default configuration transfers KV."
+    ),
+)
 def test_disaggregated_completion_equals_aggregated_worker(
     tiny_model_dir: Path, nats_server: EmbeddedNatsServer, tmp_path: Path
 ) -> None:
@@ -91,3 +108,7 @@ def test_disaggregated_completion_equals_aggregated_worker(
         assert dis["usage"] == agg["usage"], name
         assert agg["usage"]["completion_tokens"] == MAX_TOKENS
     assert disaggregated["long"]["usage"]["prompt_tokens"] > 4 * 32  # the KV of several blocks moved
+    # The comparison alone does not bite: when the transfer fails, the decode side recomputes the prompt after
+    # the prefill side's 30 s KV lease expires, and the text is still equal. A real transfer takes milliseconds.
+    for name in PROMPTS:
+        assert disaggregated[name]["elapsed_s"] < KV_LEASE_S * 2 / 3, (name, disaggregated[name]["elapsed_s"])
