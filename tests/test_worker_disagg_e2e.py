@@ -28,7 +28,17 @@ from worker_support import (
 )
 
 pytest.importorskip("nixl")
-pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.runtime,
+    pytest.mark.slow,
+    # Known bug (issue 5, open): through the worker's multi-process engine, NIXL reads on CPU complete only with
+    # DYN_NIXL_CPU_PROGRESS_DELAY_US=0, and then two engines busy-poll both cores of a 2-core machine: on a quiet
+    # machine this module's prefill+decode pair did not become ready in time (fixture error in the fresh-clone
+    # run). tests/test_disagg_e2e.py (strict xfail) turns red as soon as the default configuration transfers KV;
+    # re-enable this module then.
+    pytest.mark.skip(reason="CPU NIXL transfers through the multi-process worker stall (issue 5, open)"),
+]
 
 MODEL = "tiny"
 PROMPT = " ".join(["hello there how are you"] * 14)  # 70 tokens: more than two KV blocks of 32
