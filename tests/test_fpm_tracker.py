@@ -159,15 +159,8 @@ _anything = st.recursive(
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
     max_leaves=10,
 )
-_FIELDS = [
-    "version",
-    "worker_id",
-    "dp_rank",
-    "counter_id",
-    "wall_time",
-    "scheduled_requests",
-    "queued_requests",
-]
+# The record's real keys (the schema itself; its literal order is pinned in test_forward_pass_metrics.py).
+_FIELDS = list(ForwardPassMetrics.__struct_fields__)
 # Record-shaped maps: the real keys with values of any type, so the decoder's type checks are exercised.
 _record_like = st.dictionaries(st.sampled_from(_FIELDS), _anything, max_size=7)
 
