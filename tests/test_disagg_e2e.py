@@ -78,16 +78,6 @@ def _serve(work: Path, nats_url: str, phase: str, workers: dict[str, list[str]],
             proc.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(TimeoutError, AssertionError, OSError),
-    reason=(
-        "known bug (issue 5, open): with the worker's multi-process engine and nixl_cpu's default 2 ms UCX "
-        "progress delay the decode side's NIXL read never completes, so the request times out; with delay 0 "
-        "it completes but both engines busy-poll the 2 cores (tests/test_worker_disagg_e2e.py covers that "
-        "path). Strict: this test fails the suite as soon as the default configuration transfers KV."
-    ),
-)
 def test_disaggregated_completion_equals_aggregated_worker(
     tiny_model_dir: Path, nats_server: EmbeddedNatsServer, tmp_path: Path
 ) -> None:

@@ -20,7 +20,9 @@ from dynamo.vllm.nixl_cpu import CpuFixPlan, plan_fixes
 
 def test_defaults_on_cpu_in_process() -> None:
     plan = plan_fixes(is_cpu_platform=True, in_process_engine=True, env={})
-    assert plan == CpuFixPlan(progress_delay_us=2000, keep_affinity=True, switch_interval_s=0.0002)
+    assert plan == CpuFixPlan(
+        progress_delay_us=2000, keep_affinity=True, switch_interval_s=0.0002, spread_threads=True
+    )
 
 
 def test_switch_interval_only_for_in_process_engines() -> None:
@@ -34,6 +36,7 @@ def test_nothing_changes_off_the_cpu_platform() -> None:
         nixl_cpu.ENV_PROGRESS_DELAY_US: "5000",
         nixl_cpu.ENV_KEEP_AFFINITY: "1",
         nixl_cpu.ENV_SWITCH_INTERVAL: "0.001",
+        nixl_cpu.ENV_SPREAD_THREADS: "1",
     }
     plan = plan_fixes(is_cpu_platform=False, in_process_engine=True, env=env)
     assert plan == CpuFixPlan()
@@ -43,19 +46,21 @@ def test_nothing_changes_off_the_cpu_platform() -> None:
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"DYN_NIXL_CPU_PROGRESS_DELAY_US": "0"}, CpuFixPlan(None, True, 0.0002)),
-        ({"DYN_NIXL_CPU_PROGRESS_DELAY_US": "500"}, CpuFixPlan(500, True, 0.0002)),
-        ({"DYN_NIXL_CPU_KEEP_AFFINITY": "0"}, CpuFixPlan(2000, False, 0.0002)),
-        ({"DYN_NIXL_CPU_KEEP_AFFINITY": "off"}, CpuFixPlan(2000, False, 0.0002)),
-        ({"DYN_NIXL_CPU_SWITCH_INTERVAL": "0"}, CpuFixPlan(2000, True, None)),
-        ({"DYN_NIXL_CPU_SWITCH_INTERVAL": "0.001"}, CpuFixPlan(2000, True, 0.001)),
+        ({"DYN_NIXL_CPU_PROGRESS_DELAY_US": "0"}, CpuFixPlan(None, True, 0.0002, True)),
+        ({"DYN_NIXL_CPU_PROGRESS_DELAY_US": "500"}, CpuFixPlan(500, True, 0.0002, True)),
+        ({"DYN_NIXL_CPU_KEEP_AFFINITY": "0"}, CpuFixPlan(2000, False, 0.0002, True)),
+        ({"DYN_NIXL_CPU_KEEP_AFFINITY": "off"}, CpuFixPlan(2000, False, 0.0002, True)),
+        ({"DYN_NIXL_CPU_SWITCH_INTERVAL": "0"}, CpuFixPlan(2000, True, None, True)),
+        ({"DYN_NIXL_CPU_SWITCH_INTERVAL": "0.001"}, CpuFixPlan(2000, True, 0.001, True)),
+        ({"DYN_NIXL_CPU_SPREAD_THREADS": "0"}, CpuFixPlan(2000, True, 0.0002, False)),
         (
             {
                 "DYN_NIXL_CPU_PROGRESS_DELAY_US": "0",
                 "DYN_NIXL_CPU_KEEP_AFFINITY": "false",
                 "DYN_NIXL_CPU_SWITCH_INTERVAL": "0",
+                "DYN_NIXL_CPU_SPREAD_THREADS": "no",
             },
-            CpuFixPlan(None, False, None),
+            CpuFixPlan(None, False, None, False),
         ),
     ],
 )
@@ -70,6 +75,7 @@ def test_each_fix_has_its_own_switch(env: dict[str, str], expected: CpuFixPlan) 
         {"DYN_NIXL_CPU_PROGRESS_DELAY_US": "-1"},
         {"DYN_NIXL_CPU_KEEP_AFFINITY": "maybe"},
         {"DYN_NIXL_CPU_SWITCH_INTERVAL": "-0.1"},
+        {"DYN_NIXL_CPU_SPREAD_THREADS": "2"},
     ],
 )
 def test_invalid_values_raise_instead_of_silently_disabling(env: dict[str, str]) -> None:
@@ -112,6 +118,64 @@ def test_kept_affinity_restores_a_repinned_thread() -> None:
         os.sched_setaffinity(0, {max(before)})
         assert os.sched_getaffinity(0) == {max(before)}
     assert os.sched_getaffinity(0) == before
+
+
+def _thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def _nixl_threads_affinity(fixes: CpuFixPlan) -> set[frozenset[int]]:
+    """Create a real NIXL agent from a thread pinned to one core (as vLLM's CPU worker pins OpenMP
+    thread 0) while another thread of the process may use every core; return the new threads' sets."""
+    import threading
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    everything = os.sched_getaffinity(0)
+    other_core_user = threading.Event()
+    helper = threading.Thread(target=other_core_user.wait, daemon=True)
+    helper.start()  # keeps "every core" among the process's thread affinities, like OpenMP thread 1
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(everything)})
+        existing = _thread_ids()
+        with nixl_cpu.apply_worker_fixes(fixes):
+            agent = base_worker.NixlWrapper(
+                f"spread-{fixes.spread_threads}", base_worker.nixl_agent_config(num_threads=2)
+            )
+        assert os.sched_getaffinity(0) == {min(everything)}  # the caller's own binding is put back
+        created = _thread_ids() - existing
+        assert created, "creating a NIXL agent starts threads (UCX progress, async, transfer pool)"
+        sets = {frozenset(os.sched_getaffinity(tid)) for tid in created}
+        del agent
+        return sets
+    finally:
+        os.sched_setaffinity(0, before)
+        other_core_user.set()
+        helper.join()
+
+
+def test_spread_threads_lets_nixl_threads_leave_the_model_threads_core() -> None:
+    """Without the fix every NIXL thread inherits the one core; with it they may use every core."""
+    everything = frozenset(os.sched_getaffinity(0))
+    if len(everything) < 2:
+        pytest.skip("needs at least 2 usable cores to observe pinning")
+    assert _nixl_threads_affinity(CpuFixPlan()) == {frozenset({min(everything)})}
+    assert _nixl_threads_affinity(CpuFixPlan(spread_threads=True)) == {everything}
+
+
+def test_spread_threads_leaves_a_repinning_inside_the_block_alone() -> None:
+    """vLLM re-pins the caller inside the block; undoing that is kept_affinity's job, not this fix's."""
+    everything = os.sched_getaffinity(0)
+    if len(everything) < 2:
+        pytest.skip("needs at least 2 usable cores")
+    try:
+        os.sched_setaffinity(0, {min(everything)})
+        with nixl_cpu.spread_new_threads():
+            os.sched_setaffinity(0, {max(everything)})
+        assert os.sched_getaffinity(0) == {max(everything)}
+    finally:
+        os.sched_setaffinity(0, everything)
 
 
 def test_apply_worker_fixes_sets_the_switch_interval_and_never_raises_it() -> None:

@@ -195,6 +195,17 @@ def test_disaggregation_environment() -> None:
     assert eng.disaggregation_environment("prefill", kept, 5601) == {}
 
 
+def test_disaggregated_cpu_workers_do_not_bind_openmp_threads_unless_told() -> None:
+    cpu = eng.disaggregation_environment("decode", {}, 5601, cpu_platform=True)
+    assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in eng.disaggregation_environment("decode", {}, 5601)  # GPU
+    assert eng.disaggregation_environment("agg", {}, 5601, cpu_platform=True) == {}
+    user = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in eng.disaggregation_environment(
+        "prefill", user, 5601, cpu_platform=True
+    )
+
+
 def test_roles_pair_prefill_and_decode() -> None:
     assert ROLES["agg"].worker_type == "Aggregated" and ROLES["agg"].needs == ()
     assert ROLES["decode"].needs == (("Prefill",),)

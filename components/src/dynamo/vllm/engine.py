@@ -19,6 +19,7 @@ from dynamo.vllm.args import INSTRUMENTED_SCHEDULER, WorkerConfig
 log = logging.getLogger(__name__)
 
 STATS_FILE_NAME = "fpm-stats-{dp_rank}.json"
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,18 @@ def make_stats_dir() -> str:
     return tempfile.mkdtemp(prefix="dynamo-vllm-fpm-")
 
 
-def disaggregation_environment(mode: str, environ: dict[str, str], free_port: int) -> dict[str, str]:
-    """NIXL side-channel defaults for one machine: loopback host and a free port unless already set."""
+def disaggregation_environment(
+    mode: str, environ: dict[str, str], free_port: int, *, cpu_platform: bool = False
+) -> dict[str, str]:
+    """Defaults for a prefill or decode worker; a variable the user already set is never changed.
+
+    - NIXL side channel on one machine: loopback host and a free port.
+    - On CPU, ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default binding pins the worker's main
+      thread (OpenMP thread 0) to one core, and every thread it starts (UCX's async and progress
+      threads, ZMQ) inherits that core, beside the main thread's busy wait between steps. Decode-side
+      NIXL reads then stalled for 20-220 s (until the prefill side's KV lease expired) in most runs
+      on 2 cores; unbound, 24 of 24 transfers took milliseconds (docs/disaggregation.md).
+    """
     if mode not in ("prefill", "decode"):
         return {}
     env: dict[str, str] = {}
@@ -91,7 +102,16 @@ def disaggregation_environment(mode: str, environ: dict[str, str], free_port: in
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     if not environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT"):
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port)
+    if cpu_platform and not environ.get(OMP_BIND_ENV):
+        env[OMP_BIND_ENV] = "nobind"
     return env
+
+
+def is_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform here (vLLM is imported by the time this is asked)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def create_vllm_config(engine_args: Any) -> Any:

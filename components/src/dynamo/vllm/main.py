@@ -80,9 +80,17 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    os.environ.update(
-        eng.disaggregation_environment(config.disaggregation_mode, dict(os.environ), free_port())
+    disagg_env = eng.disaggregation_environment(
+        config.disaggregation_mode, dict(os.environ), free_port(), cpu_platform=eng.is_cpu_platform()
     )
+    if eng.OMP_BIND_ENV in disagg_env:
+        log.info(
+            "%s=%s: NIXL's threads must not share the model thread's single core on CPU "
+            "(set it yourself to override)",
+            eng.OMP_BIND_ENV,
+            disagg_env[eng.OMP_BIND_ENV],
+        )
+    os.environ.update(disagg_env)
     nats = os.environ.get("NATS_SERVER", "")
     needs_nats = config.event_plane == "nats" or config.request_plane == "nats"
     if needs_nats and not nats_reachable(nats or "nats://localhost:4222"):

@@ -6,7 +6,7 @@ The class below *is* vLLM's ``NixlConnector`` (a subclass under the same name, s
 connector's worker side is set up, and only on vLLM's CPU platform. On GPU hosts it behaves exactly
 like vLLM's connector.
 
-Three problems measured on small CPU hosts, each with its own switch (see docs/disaggregation.md):
+Four problems measured on small CPU hosts, each with its own switch (see docs/disaggregation.md):
 
 - ``DYN_NIXL_CPU_PROGRESS_DELAY_US`` (default 2000): nixl's Python API creates its agent with a zero
   progress-thread poll delay, so UCX busy-polls about one core per engine even when idle. The agent is
@@ -18,6 +18,13 @@ Three problems measured on small CPU hosts, each with its own switch (see docs/d
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the NIXL handshake thread starves on the GIL while the engine
   loop busy-steps the parked request (first pull 3.5-6 s instead of ~0.1 s). The interpreter's switch
   interval is lowered to this value in in-process engines only. ``0`` leaves it alone.
+- ``DYN_NIXL_CPU_SPREAD_THREADS`` (default 1): NIXL's own threads (UCX progress thread, transfer
+  pool, UCX async events) inherit the CPU affinity of the thread that creates the agent. In vLLM's
+  CPU worker that thread is OpenMP thread 0, bound to a single core, so every NIXL thread of the
+  worker shared that one core with the model thread's spin-wait; through ``python -m dynamo.vllm``
+  (multi-process engine) decode-side reads then took 20 s to never instead of milliseconds. The
+  agent is created while the calling thread may use every core the worker's threads use, then the
+  calling thread's own affinity is put back. ``0`` keeps the inherited single core.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ logger = logging.getLogger(__name__)
 ENV_PROGRESS_DELAY_US = "DYN_NIXL_CPU_PROGRESS_DELAY_US"
 ENV_KEEP_AFFINITY = "DYN_NIXL_CPU_KEEP_AFFINITY"
 ENV_SWITCH_INTERVAL = "DYN_NIXL_CPU_SWITCH_INTERVAL"
+ENV_SPREAD_THREADS = "DYN_NIXL_CPU_SPREAD_THREADS"
 
 DEFAULT_PROGRESS_DELAY_US = 2000
 DEFAULT_SWITCH_INTERVAL_S = 0.0002
@@ -50,6 +58,7 @@ DEFAULT_SWITCH_INTERVAL_S = 0.0002
 __all__ = [
     "ENV_KEEP_AFFINITY",
     "ENV_PROGRESS_DELAY_US",
+    "ENV_SPREAD_THREADS",
     "ENV_SWITCH_INTERVAL",
     "CpuFixPlan",
     "NixlConnector",
@@ -65,10 +74,16 @@ class CpuFixPlan:
     progress_delay_us: int | None = None
     keep_affinity: bool = False
     switch_interval_s: float | None = None
+    spread_threads: bool = False
 
     @property
     def active(self) -> bool:
-        return self.progress_delay_us is not None or self.keep_affinity or self.switch_interval_s is not None
+        return (
+            self.progress_delay_us is not None
+            or self.keep_affinity
+            or self.switch_interval_s is not None
+            or self.spread_threads
+        )
 
 
 def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -104,12 +119,14 @@ def plan_fixes(*, is_cpu_platform: bool, in_process_engine: bool, env: Mapping[s
     delay = int(_env_number(env, ENV_PROGRESS_DELAY_US, DEFAULT_PROGRESS_DELAY_US))
     keep = _env_flag(env, ENV_KEEP_AFFINITY, True)
     interval = _env_number(env, ENV_SWITCH_INTERVAL, DEFAULT_SWITCH_INTERVAL_S)
+    spread = _env_flag(env, ENV_SPREAD_THREADS, True)
     if not is_cpu_platform:
         return CpuFixPlan()
     return CpuFixPlan(
         progress_delay_us=delay if delay > 0 else None,
         keep_affinity=keep,
         switch_interval_s=interval if interval > 0 and in_process_engine else None,
+        spread_threads=spread,
     )
 
 
@@ -176,12 +193,47 @@ def kept_affinity() -> Iterator[None]:
             logger.info("NIXL worker setup re-pinned the model thread to %s; restored %s", after, before)
 
 
+def process_cpu_set() -> set[int]:
+    """Every core some thread of this process may run on (the union of the threads' affinities)."""
+    cpus: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                cpus |= os.sched_getaffinity(int(task))
+    return cpus or set(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def spread_new_threads() -> Iterator[None]:
+    """Threads created in this block may run on every core of the process, not only the caller's.
+
+    Linux threads inherit their creator's affinity. The caller's own affinity is put back afterwards,
+    unless something inside the block changed it (then that choice is left to ``kept_affinity``).
+    """
+    own = os.sched_getaffinity(0)
+    wide = process_cpu_set() | own
+    if wide == own:
+        yield
+        return
+    os.sched_setaffinity(0, wide)
+    try:
+        yield
+    finally:
+        if os.sched_getaffinity(0) == wide:
+            os.sched_setaffinity(0, own)
+        logger.info(
+            "NIXL threads created on cores %s instead of the model thread's %s", sorted(wide), sorted(own)
+        )
+
+
 @contextlib.contextmanager
 def apply_worker_fixes(plan: CpuFixPlan) -> Iterator[None]:
     """Apply ``plan`` around the creation of a NIXL connector worker."""
     with contextlib.ExitStack() as stack:
         if plan.keep_affinity:
             stack.enter_context(kept_affinity())
+        if plan.spread_threads:
+            stack.enter_context(spread_new_threads())
         if plan.progress_delay_us is not None:
             stack.enter_context(progress_delay(plan.progress_delay_us))
         yield
