@@ -43,12 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="aggregated variant: one engine does prefill and decode; the planner scales it alone",
     )
     p.add_argument(
-        "--disagg",
-        action="store_true",
-        help="run real prefill/decode disaggregation over NIXL even on a CPU host, where transfers through the "
-        "worker's multi-process engine currently stall (docs/disaggregation.md, 'Known problem')",
-    )
-    p.add_argument(
         "--keep-running",
         action="store_true",
         help="after the report, leave the stack up for exploring until Ctrl-C",
@@ -105,17 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     notes = []
     agg = args.agg
-    if args.agg and args.disagg:
-        print("demo.py: error: --agg and --disagg exclude each other", file=sys.stderr)
-        return 2
-    if not agg and not args.disagg:
-        agg = True
-        notes.append(
-            "real prefill/decode disaggregation through the worker currently stalls on CPU hosts (NIXL reads in "
-            "vLLM's multi-process engine never complete; see docs/disaggregation.md, 'Known problem'): running "
-            "the AGGREGATED variant. Add --disagg to run the disaggregated stack anyway."
-        )
-    elif not agg and not nixl_available(sys.executable):
+    if not agg and not nixl_available(sys.executable):
         agg = True
         notes.append(
             "the 'nixl' package does not import here, so real prefill/decode disaggregation cannot run: "
