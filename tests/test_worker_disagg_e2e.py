@@ -122,6 +122,15 @@ def test_disaggregated_greedy_matches_vllm(disagg: Any) -> None:
     assert elapsed_s < KV_LEASE_S * 2 / 3, elapsed_s
 
 
+def test_client_min_tokens_passes_through_prefill(disagg: Any) -> None:
+    """The frontend sends the client's min_tokens to the prefill worker too (with max_tokens=1)."""
+    base_url = disagg[0]
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8, "min_tokens": 6, "temperature": 0}
+    status, out = http_json(f"{base_url}/v1/completions", body, timeout=60)
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] >= 6
+
+
 def test_no_worker_thread_is_confined_to_one_core(disagg: Any) -> None:
     """The worker runs vLLM's CPU engine unbound (VLLM_CPU_OMP_THREADS_BIND=nobind), so neither the model
     thread nor NIXL's threads share one pinned core (the cause of 20-220 s stalled reads)."""

@@ -264,6 +264,19 @@ def test_max_tokens_defaults_to_the_rest_of_the_context() -> None:
     assert params.max_tokens == 7
 
 
+def test_prefill_worker_accepts_a_client_min_tokens_above_one() -> None:
+    """The frontend forwards the client's min_tokens with max_tokens=1 to prefill; the limits are decode's."""
+    from dynamo.vllm.handlers import RequestHandler
+
+    handler = RequestHandler(None, "prefill", InflightTracker(), 100)
+    params = handler._params(_request(stop_conditions={"max_tokens": 1, "min_tokens": 5}))
+    assert (params.max_tokens, params.min_tokens) == (1, 0)
+    assert params.extra_args["kv_transfer_params"] == {"do_remote_decode": True}
+    decode = RequestHandler(None, "decode", InflightTracker(), 100)
+    params = decode._params(_request(stop_conditions={"max_tokens": 8, "min_tokens": 5}))
+    assert (params.max_tokens, params.min_tokens) == (8, 5)
+
+
 def test_bad_sampling_option_is_a_request_error() -> None:
     from dynamo.vllm.handlers import RequestError, build_sampling_params
 

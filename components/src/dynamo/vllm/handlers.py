@@ -162,13 +162,15 @@ class RequestHandler:
 
     def _params(self, request: Mapping[str, Any]) -> Any:
         if self.mode == "prefill":
-            # Frontend sends max_tokens=1 already; the prefill worker asks vLLM to keep the KV for decode.
-            params = build_sampling_params(
-                request, self.default_sampling, self.model_max_len, {"do_remote_decode": True}
+            # One token and the KV kept for decode. The client's length limits belong to the decode side: a
+            # min_tokens above 1 would otherwise fail vLLM's validation here (min_tokens <= max_tokens).
+            stop = {**(request.get("stop_conditions") or {}), "max_tokens": 1, "min_tokens": 0}
+            return build_sampling_params(
+                {**request, "stop_conditions": stop},
+                self.default_sampling,
+                self.model_max_len,
+                {"do_remote_decode": True},
             )
-            params.max_tokens = 1
-            params.min_tokens = 0
-            return params
         kv = decode_kv_transfer_params(request) if self.mode == "decode" else None
         return build_sampling_params(request, self.default_sampling, self.model_max_len, kv)
 
