@@ -1,4 +1,5 @@
-"""Exec a command with some environment variables set to free TCP ports picked now.
+"""Exec a command with some environment variables set to free TCP ports picked now, outside the kernel's
+ephemeral range so that nothing takes them before the command binds them (``dynamo.common.ports``).
 
     python free_port_exec.py VAR [VAR ...] -- COMMAND [ARGS ...]
 
@@ -10,14 +11,9 @@ SIGTERM reaches the worker directly).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from dynamo.common.ports import stable_free_port
 
 
 def main(argv: list[str]) -> int:
@@ -27,7 +23,7 @@ def main(argv: list[str]) -> int:
     split = argv.index("--")
     env = dict(os.environ)
     for var in argv[:split]:
-        env[var] = str(free_port())
+        env[var] = str(stable_free_port())
     command = argv[split + 1 :]
     os.execvpe(command[0], command, env)
     return 127  # not reached

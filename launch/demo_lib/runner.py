@@ -158,12 +158,12 @@ class DemoRun:
             self.sup.start(
                 "worker-prefill",
                 stack.worker_argv(cfg, "prefill"),
-                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free())},
+                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_side_channel_port())},
             )
             self.sup.start(
                 "worker-decode",
                 stack.worker_argv(cfg, "decode"),
-                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free())},
+                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_side_channel_port())},
             )
             self.say("workers         1 prefill + 1 decode (vLLM NixlConnector over NIXL, CPU KV buffers)")
 
@@ -390,6 +390,13 @@ def _free() -> int:
     from dynamo.common.nats_server import free_port
 
     return free_port()
+
+
+def _side_channel_port() -> int:
+    """Bound only after the engine loaded its model: outside the ephemeral range (dynamo.common.ports)."""
+    from dynamo.common.ports import stable_free_port
+
+    return stable_free_port()
 
 
 def make_config(run_dir: Path, **kw: object) -> stack.DemoConfig:

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
-from dynamo.common.nats_server import free_port
+from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
 from dynamo.vllm import registration
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
@@ -81,7 +81,7 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     disagg_env = eng.disaggregation_environment(
-        config.disaggregation_mode, dict(os.environ), free_port(), cpu_platform=eng.is_cpu_platform()
+        config.disaggregation_mode, dict(os.environ), stable_free_port(), cpu_platform=eng.is_cpu_platform()
     )
     if eng.OMP_BIND_ENV in disagg_env:
         log.info(
