@@ -342,6 +342,7 @@ def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
     assert stack.planner_argv(cfg)[3] == "run"
     env = stack.stack_env(cfg)
     assert env["NATS_SERVER"] == "nats://127.0.0.1:4999" and env["DYN_FILE_KV"] == str(tmp_path / "d")
+    assert env["OMP_NUM_THREADS"] == str(stack.omp_threads_per_engine(cfg))
     phases = stack.load_phases(240, 1.0)
     assert [p.name for p in phases] == ["warmup", "burst", "idle"]
     assert sum(p.duration_s for p in phases) == pytest.approx(240)
@@ -440,3 +441,16 @@ def test_processes_without_the_marker_are_found_by_session_and_parentage(tmp_pat
     assert os.getpid() not in found
     sup.stop_all(timeout=5)
     assert pids_with_marker(run_id) == []
+
+
+def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may_run(tmp_path: Path) -> None:
+    def cfg(**kw: object) -> stack.DemoConfig:
+        paths = {"run_dir": tmp_path, "model_dir": tmp_path / "m", "discovery_dir": tmp_path / "d"}
+        return stack.DemoConfig(**paths, nats_port=1, http_port=2, **kw)  # type: ignore[arg-type]
+
+    assert stack.omp_threads_per_engine(cfg(), usable_cores=2) == 1  # 2 prefill + 2 decode engines at most
+    assert stack.omp_threads_per_engine(cfg(), usable_cores=16) == 4
+    assert stack.omp_threads_per_engine(cfg(agg=True), usable_cores=16) == 8  # no prefill pool
+    assert stack.omp_threads_per_engine(cfg(decode_max=1, prefill_max=1), usable_cores=1) == 1
+    user = cfg(extra_env={"OMP_NUM_THREADS": "3"})
+    assert stack.stack_env(user)["OMP_NUM_THREADS"] == "3"  # the user's own value wins

@@ -193,7 +193,7 @@ class DemoRun:
         url = f"{self.cfg.base_url}/v1/models/{self.cfg.served_model_name}/ready"
         start = time.monotonic()
         last_msg = 0.0
-        self.say("waiting for the workers to load the model (70-110 s on 2 cores) ...")
+        self.say("waiting for the workers to load the model (20-110 s on 2 cores) ...")
         with httpx.Client(timeout=2.0) as client:
             while True:
                 waited = time.monotonic() - start

@@ -25,6 +25,7 @@ from dynamo.vllm import engine as eng
 from dynamo.vllm import registration
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.drain import ExitCode, InflightTracker, drain
+from dynamo.vllm.file_discovery_keepalive import start_for_worker
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.handlers import RequestHandler
 from dynamo.vllm.health import HEALTH_CHECK_PAYLOAD, Readiness, wait_engine_dead
@@ -171,6 +172,7 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
             capacity,
             config.custom_jinja_template,
         )
+        keepalive = start_for_worker(config.discovery_backend, int(worker_id))
         readiness.set(True)
         log.info(
             "ready: %s (%s), %d KV blocks of %d tokens",
@@ -186,6 +188,8 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
         for task in (stop_wait, dead_wait):
             task.cancel()
         readiness.set(False)
+        if keepalive is not None:
+            keepalive.stop()
         if stop_wait in done:
             log.info("signal received: draining (grace period %.1f s)", config.drain_timeout_s)
             report = await drain(
