@@ -21,6 +21,7 @@ from demo_support import FAKE_OPENAI_SERVER, write_script  # puts launch/ on sys
 from demo_lib import charts, live_view, load, report, signals, stack, verdict
 from demo_lib.supervisor import Supervisor, pids_with_marker, tail_lines
 from dynamo.common.nats_server import free_port
+from worker_support import wait_until
 
 
 # ---- charts ---------------------------------------------------------------------------------------
@@ -287,9 +288,7 @@ def test_supervisor_stops_groups_and_orphans_with_the_marker(tmp_path: Path) -> 
     script = write_script(tmp_path, "gp.py", GRANDPARENT)
     ready = tmp_path / "orphan-ready"
     m = sup.start("parent", [sys.executable, str(script), str(ready)])
-    deadline = time.monotonic() + 20
-    while not ready.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(ready.exists, timeout=20, interval=0.05)
     assert len(pids_with_marker(run_id)) == 2
     assert sup.check() is None
     killed = sup.stop_all(timeout=5)
@@ -433,9 +432,7 @@ def test_processes_without_the_marker_are_found_by_session_and_parentage(tmp_pat
     sup = Supervisor(tmp_path, run_id)
     script = write_script(tmp_path, "unmarked.py", UNMARKED_CHILDREN)
     m = sup.start("parent", [sys.executable, str(script)])
-    deadline = time.monotonic() + 20
-    while len(pids_with_marker(run_id)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(pids_with_marker(run_id)) >= 3, timeout=20, interval=0.05)
     found = pids_with_marker(run_id)
     assert len(found) == 3 and m.pid in found
     assert os.getpid() not in found
