@@ -20,7 +20,15 @@ pytest.importorskip("nixl")
 pytest.importorskip("dynamo.llm")
 
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
-from worker_support import base_env, http_json, model_ready, start_frontend, start_worker, wait_until
+from worker_support import (
+    Proc,
+    base_env,
+    complete,
+    model_ready,
+    start_frontend,
+    start_worker,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
 
@@ -44,11 +52,9 @@ def _kv(role: str) -> str:
     )
 
 
-def _complete(base_url: str, prompt: str) -> dict[str, Any]:
+def _complete(base_url: str, prompt: str, file_kv: Path, procs: list[Proc]) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    status, out = http_json(f"{base_url}/v1/completions", body, timeout=60)
-    assert status == 200, out
-    return out
+    return complete(base_url, body, file_kv, procs, timeout=60)
 
 
 def _serve(work: Path, nats_url: str, phase: str, workers: dict[str, list[str]], model_dir: Path) -> dict:
@@ -70,7 +76,7 @@ def _serve(work: Path, nats_url: str, phase: str, workers: dict[str, list[str]],
         results = {}
         for name, prompt in PROMPTS.items():
             started = time.monotonic()
-            results[name] = _complete(base_url, prompt)
+            results[name] = _complete(base_url, prompt, file_kv, procs)
             results[name]["elapsed_s"] = time.monotonic() - started
         return results
     finally:

@@ -12,13 +12,16 @@ import asyncio
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
 from worker_support import (
+    Proc,
     base_env,
+    complete,
     http_json,
     model_ready,
     scrape,
@@ -44,6 +47,21 @@ KV = {
     "kv_connector_module_path": "dynamo.vllm.nixl_cpu",
 }
 KV_LEASE_S = 30  # NixlConnector's default: the prefill side frees unread blocks after this long
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The running frontend + prefill + decode workers, and what the tests compare against."""
+
+    base_url: str
+    reference: dict[str, Any]
+    ids: dict[str, str]
+    nats_url: str
+    procs: list[Proc]
+    file_kv: Path
+
+    def complete(self, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+        return complete(self.base_url, body, self.file_kv, self.procs, timeout)
 
 
 def _worker_id(metrics_url: str) -> str:
@@ -93,28 +111,23 @@ def disagg(
             "prefill": _worker_id(f"http://127.0.0.1:{prefill_metrics}/metrics"),
             "backend": _worker_id(f"http://127.0.0.1:{decode_metrics}/metrics"),
         }
-        yield base_url, reference[0], ids, nats_server.url, procs
+        yield Stack(base_url, reference[0], ids, nats_server.url, procs, file_kv)
     finally:
         for proc in procs:
             proc.stop()
 
 
-def test_disaggregated_greedy_matches_vllm(disagg: Any) -> None:
-    base_url, ref, _ids, _nats, procs = disagg
-    status, ready = http_json(f"{base_url}/v1/models/{MODEL}/ready")
+def test_disaggregated_greedy_matches_vllm(disagg: Stack) -> None:
+    status, ready = http_json(f"{disagg.base_url}/v1/models/{MODEL}/ready")
     assert status == 200
     assert sorted(ready["namespaces"]["dynamo"]["present"]) == ["decode", "prefill"]
     started = time.monotonic()
-    status, out = http_json(
-        f"{base_url}/v1/completions",
-        {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0},
-        timeout=120,
-    )
+    out = disagg.complete({"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
     elapsed_s = time.monotonic() - started
-    assert status == 200, out
+    ref = disagg.reference
     assert out["choices"][0]["text"].split() == ref["text"].split()
     assert out["usage"]["prompt_tokens"] == ref["prompt_len"]
-    _, prefill, decode = procs
+    _, prefill, decode = disagg.procs
     assert "cancelled" not in prefill.log() and "cancelled" not in decode.log()
     # The first request of a new pair (NIXL handshake and UCX connection included) must read the KV for real:
     # a stalled read ends only when the prefill side's lease expires and decode recomputes (same text).
@@ -122,22 +135,19 @@ def test_disaggregated_greedy_matches_vllm(disagg: Any) -> None:
     assert elapsed_s < KV_LEASE_S * 2 / 3, elapsed_s
 
 
-def test_client_min_tokens_passes_through_prefill(disagg: Any) -> None:
+def test_client_min_tokens_passes_through_prefill(disagg: Stack) -> None:
     """The frontend sends the client's min_tokens to the prefill worker too (with max_tokens=1)."""
-    base_url = disagg[0]
     body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8, "min_tokens": 6, "temperature": 0}
-    status, out = http_json(f"{base_url}/v1/completions", body, timeout=60)
-    assert status == 200, out
+    out = disagg.complete(body, timeout=60)
     assert out["usage"]["completion_tokens"] >= 6
 
 
-def test_no_worker_thread_is_confined_to_one_core(disagg: Any) -> None:
+def test_no_worker_thread_is_confined_to_one_core(disagg: Stack) -> None:
     """The worker runs vLLM's CPU engine unbound (VLLM_CPU_OMP_THREADS_BIND=nobind), so neither the model
     thread nor NIXL's threads share one pinned core (the cause of 20-220 s stalled reads)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs at least 2 usable cores")
-    _base_url, _ref, _ids, _nats, procs = disagg
-    for proc in procs[1:]:
+    for proc in disagg.procs[1:]:
         workers = [
             pid
             for pid in _descendants(proc.pid)
@@ -170,20 +180,18 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-async def test_each_pool_publishes_under_its_worker_id(disagg: Any) -> None:
+async def test_each_pool_publishes_under_its_worker_id(disagg: Stack) -> None:
     import nats
     from dynamo.common import forward_pass_metrics as fpm
     from dynamo.common.fpm_subjects import decode_envelope, fpm_subscription, parse_fpm_subject
 
-    base_url, _ref, ids, nats_url, _procs = disagg
     seen: dict[str, set[str]] = {"prefill": set(), "backend": set()}
     timed: dict[str, int] = {"prefill": 0, "backend": 0}
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(disagg.nats_url)
     try:
         sub = await nc.subscribe(fpm_subscription("dynamo"))
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
-        status, _ = await asyncio.to_thread(http_json, f"{base_url}/v1/completions", body, 120)
-        assert status == 200
+        await asyncio.to_thread(disagg.complete, body)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not all(timed.values()):
             try:
@@ -198,5 +206,29 @@ async def test_each_pool_publishes_under_its_worker_id(disagg: Any) -> None:
             timed[subject.component] += record.wall_time > 0
     finally:
         await nc.close()
-    assert seen == {"prefill": {ids["prefill"]}, "backend": {ids["backend"]}}
+    assert seen == {"prefill": {disagg.ids["prefill"]}, "backend": {disagg.ids["backend"]}}
     assert all(timed.values()), timed
+
+
+def test_a_deleted_registration_comes_back(disagg: Stack) -> None:
+    """Another process deleting the prefill worker's discovery entries (what the runtime's expiry does to an
+    entry its owner failed to touch) costs the frontend the prefill pool; the worker writes them back within
+    its keep-alive interval and disaggregated requests are served again. Runs last: it disturbs the stack."""
+    prefill_entries = [p for p in disagg.file_kv.rglob("*") if p.is_file() and "%2Fprefill%2F" in p.name]
+    assert len(prefill_entries) == 2, prefill_entries  # instances/ and mdc/
+    frontend = disagg.procs[0]
+    removals = frontend.log().count("Removed worker set")
+    for path in prefill_entries:
+        path.unlink()
+    wait_until(lambda: frontend.log().count("Removed worker set") > removals, timeout=10, procs=disagg.procs)
+    ready_url = f"{disagg.base_url}/v1/models/{MODEL}/ready"
+    wait_until(lambda: _prefill_present(ready_url), timeout=15, procs=disagg.procs)
+    assert all(path.exists() for path in prefill_entries)
+    assert disagg.procs[1].log().count("wrote it back") == 2
+    out = disagg.complete({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert out["choices"][0]["text"].split() == disagg.reference["text"].split()[:4]
+
+
+def _prefill_present(ready_url: str) -> bool:
+    status, ready = http_json(ready_url)
+    return status == 200 and "prefill" in ready["namespaces"]["dynamo"]["present"]

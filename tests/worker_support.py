@@ -167,6 +167,66 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.2, procs: Seq
     raise AssertionError(f"timed out after {timeout} s (last error: {last_exc!r})\n{tails}")
 
 
+def discovery_diagnostics(file_kv: Path, *procs: Proc) -> str:
+    """What a failed request needs explained: the discovery entries with their age, and each process's
+    discovery, expiry and error lines (HTTP access lines left out)."""
+    now = time.time()
+    lines = ["discovery entries (age in s):"]
+    for path in sorted(p for p in file_kv.rglob("*") if p.is_file()):
+        with contextlib.suppress(OSError):
+            lines.append(f"  {now - path.stat().st_mtime:6.1f}  {path.relative_to(file_kv)}")
+    keys = (
+        "worker set",
+        "emov",
+        "Expired",
+        "keep_alive",
+        "prefill router",
+        "nstance",
+        "ERROR",
+        "Error",
+        "Traceback",
+    )
+    for proc in procs:
+        picked = [
+            line[:300]
+            for line in proc.log().splitlines()
+            if any(k in line for k in keys) and "http response sent" not in line and "on_failure" not in line
+        ]
+        lines.append(f"{proc.log_path.name} (last {min(len(picked), 25)} of {len(picked)} picked lines):")
+        lines.extend(f"  {line}" for line in picked[-25:])
+    return "\n".join(lines)
+
+
+RESTORED_MARK = (
+    "wrote it back"  # the worker's WARNING when it wrote back a discovery entry another process deleted
+)
+
+
+def complete(
+    base_url: str, body: dict[str, Any], file_kv: Path, procs: Sequence[Proc], timeout: float = 120
+) -> dict[str, Any]:
+    """POST a completion and return its JSON; any other answer fails with :func:`discovery_diagnostics`.
+
+    One case is retried, once: a 503 while a worker writes back a discovery entry that another process
+    expired (the worker logs :data:`RESTORED_MARK`; the frontend routes to it again within about 2 s). That
+    path is the worker's self-healing and has its own test; any other failure is reported as it is.
+    """
+    url = f"{base_url}/v1/completions"
+    status, out = http_json(url, body, timeout)
+    if status == 503:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(RESTORED_MARK in proc.log() for proc in procs):
+            time.sleep(0.2)
+        if any(RESTORED_MARK in proc.log() for proc in procs):
+            print("HTTP 503 while a worker wrote back its discovery entry; retrying once")
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda: model_ready(base_url, str(body["model"])), timeout=15, procs=procs)
+            status, out = http_json(url, body, timeout)
+    if status != 200:
+        raise AssertionError(f"HTTP {status}: {out}\n{discovery_diagnostics(file_kv, *procs)}")
+    return dict(out)
+
+
 def model_ready(base_url: str, model: str) -> bool:
     status, _ = http_json(f"{base_url}/v1/models/{model}/ready", timeout=5)
     return status == 200

@@ -1,16 +1,19 @@
-"""Keeps this worker's own entries in Dynamo's ``file`` discovery alive.
+"""Keeps this worker's own entries in Dynamo's ``file`` discovery alive, and puts back any that vanish.
 
-The runtime's file store expires an entry whose file was not touched for 10 s, and every process using
-the folder (frontend, planner, other workers) deletes expired entries; the owner touches its files every
-~3.3 s from a thread of its own. Measured with ai-dynamo-runtime 1.6.1 on a loaded 2-core host: in 2 of 4
-demo runs a worker's fresh registration was never touched by its owner and the planner's file store deleted
-it 10-11.5 s after it was written (log: ``Expired path=.../v1/mdc/...`` with the creation time as
-``last_modified``; the owner then logs ``FileStore::keep_alive failed opening owned file``). The frontend
-then lost the prefill or decode pool and answered every request 404/503 for the rest of the run.
+The runtime expires an entry whose file was not touched for 10 s, and every process using the folder
+(frontend, planner, other workers) deletes expired entries; the owner touches its files every ~3.3 s from a
+thread of its own. Measured with ai-dynamo-runtime 1.6.1 on a loaded 2-core host: in 2 of 4 demo runs a
+worker's fresh registration was never touched by its owner and the planner's file store deleted it 10-11.5 s
+after it was written (log: ``Expired path=.../v1/mdc/...`` with the creation time as ``last_modified``; the
+owner then logs ``FileStore::keep_alive failed opening owned file``). The frontend then lost the prefill or
+decode pool and answered every request 404/503 for the rest of the run.
 
-This module touches, every ``interval_s``, the files under the discovery folder that belong to this worker
-(their names end in ``%2F`` + the worker's connection id in hex). It never creates or deletes a file: an
-entry the worker unregisters is gone for good, a missing file is skipped.
+Every ``interval_s`` this module touches the files under the discovery folder that belong to this worker
+(their names end in ``%2F`` + the worker's connection id in hex) and remembers their content. A file of ours
+that disappears while the worker still serves (another process expired it, or someone removed it) is written
+back with the content it had, create-if-absent, the way the runtime publishes entries: watchers see a new
+entry and route to the worker again. It never deletes a file, and :meth:`FileDiscoveryKeepAlive.stop` is
+called before the worker unregisters, so an entry the worker removes stays removed.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 2.0  # well inside the runtime's 10 s expiry, also when the process is briefly starved
+LATE_WARNING_S = 5.0  # a pass this long after the previous one means the entries came near expiry
+TEMP_PREFIX = ".tmp_"  # the runtime's own prefix: its watchers ignore files named so
 
 
 def owned_suffix(connection_id: int) -> str:
@@ -30,23 +37,38 @@ def owned_suffix(connection_id: int) -> str:
     return f"%2F{connection_id:x}"
 
 
-def touch_owned_files(root: Path, connection_id: int) -> int:
-    """Refresh the modification time of this connection's files under ``root``; returns how many."""
+def touch_owned_files(root: Path, connection_id: int) -> list[Path]:
+    """Refresh the modification time of this connection's files under ``root``; returns those touched."""
     suffix = owned_suffix(connection_id)
-    touched = 0
+    touched: list[Path] = []
     for folder, _dirs, files in os.walk(root):
         for name in files:
             if name.endswith(suffix) and not name.startswith("."):
+                path = Path(folder, name)
                 try:
-                    os.utime(os.path.join(folder, name))
-                except OSError:  # unregistered meanwhile: never recreate it
+                    os.utime(path)
+                except OSError:  # removed meanwhile: the caller decides whether to put it back
                     continue
-                touched += 1
+                touched.append(path)
     return touched
 
 
+def restore_entry(path: Path, content: bytes) -> bool:
+    """Write ``content`` to ``path`` unless it exists (a temporary file hard-linked into place, so no
+    watcher ever reads a partial entry and a concurrent re-registration is never overwritten)."""
+    temp = path.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex[:16]}")
+    try:
+        temp.write_bytes(content)
+        os.link(temp, path)
+    except FileExistsError:
+        return False
+    finally:
+        temp.unlink(missing_ok=True)
+    return True
+
+
 class FileDiscoveryKeepAlive:
-    """A daemon thread that calls :func:`touch_owned_files` every ``interval_s`` until stopped."""
+    """A daemon thread that keeps this connection's discovery entries fresh and present until stopped."""
 
     def __init__(self, root: Path, connection_id: int, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         if interval_s <= 0:
@@ -54,6 +76,8 @@ class FileDiscoveryKeepAlive:
         self.root = root
         self.connection_id = connection_id
         self.interval_s = interval_s
+        self.restored = 0  # entries written back since start
+        self._content: dict[Path, bytes] = {}  # each entry seen, with its latest content
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="file-discovery-keepalive", daemon=True)
 
@@ -62,17 +86,55 @@ class FileDiscoveryKeepAlive:
         return self
 
     def stop(self) -> None:
-        """Stop touching (before unregistering, so nothing races the runtime's own deletion)."""
+        """Stop touching and restoring (before unregistering, so nothing races the runtime's deletion)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+    def run_once(self) -> None:
+        """One pass: touch our entries, remember their content, write back the ones that vanished."""
+        present = set(touch_owned_files(self.root, self.connection_id))
+        for path in present:
             try:
-                touch_owned_files(self.root, self.connection_id)
-            except OSError as exc:  # the folder itself is gone: nothing of ours to keep
-                log.debug("file discovery keep-alive: %s", exc)
+                self._content[path] = path.read_bytes()
+            except OSError:
+                continue
+        for path in sorted(set(self._content) - present):
+            if self._stop.is_set():
+                return
+            try:
+                restored = restore_entry(path, self._content[path])
+            except OSError as exc:  # its folder is gone: the discovery store itself was removed
+                log.debug("file discovery keep-alive: cannot restore %s: %s", path, exc)
+                continue
+            if restored:
+                self.restored += 1
+                log.warning(
+                    "file discovery: entry %s was deleted by another process while this worker serves "
+                    "(expired?); wrote it back",
+                    path.relative_to(self.root) if path.is_relative_to(self.root) else path,
+                )
+
+    def _run(self) -> None:
+        previous = time.monotonic()
+        self._pass()  # at once: the entries were just registered, their content is known from now on
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            if now - previous > LATE_WARNING_S:
+                log.warning(
+                    "file discovery keep-alive ran %.1f s after its previous pass (interval %.1f s): "
+                    "this process is starved; entries expire after 10 s",
+                    now - previous,
+                    self.interval_s,
+                )
+            previous = now
+            self._pass()
+
+    def _pass(self) -> None:
+        try:
+            self.run_once()
+        except OSError as exc:  # the folder itself is gone: nothing of ours to keep
+            log.debug("file discovery keep-alive: %s", exc)
 
 
 def start_for_worker(discovery_backend: str, connection_id: int) -> FileDiscoveryKeepAlive | None:

@@ -25,7 +25,7 @@ from dynamo.vllm import engine as eng
 from dynamo.vllm import registration
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.drain import ExitCode, InflightTracker, drain
-from dynamo.vllm.file_discovery_keepalive import start_for_worker
+from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.handlers import RequestHandler
 from dynamo.vllm.health import HEALTH_CHECK_PAYLOAD, Readiness, wait_engine_dead
@@ -131,6 +131,7 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
         log.info("Prometheus metrics on port %d", port)
 
     engine = None
+    keepalive: FileDiscoveryKeepAlive | None = None
     serve_task: asyncio.Future[Any] | None = None
     code: int = ExitCode.OK
     try:
@@ -209,6 +210,8 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
                 await registration.unregister(endpoint)
             code = ExitCode.ENGINE_DIED
     finally:
+        if keepalive is not None:  # before the runtime deletes our entries: never write them back
+            keepalive.stop()
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.shutdown()
