@@ -105,6 +105,10 @@ def test_disaggregated_completion_equals_aggregated_worker(
         assert agg["usage"]["completion_tokens"] == MAX_TOKENS
     assert disaggregated["long"]["usage"]["prompt_tokens"] > 4 * 32  # the KV of several blocks moved
     # The comparison alone does not bite: when the transfer fails, the decode side recomputes the prompt after
-    # the prefill side's 30 s KV lease expires, and the text is still equal. A real transfer takes milliseconds.
+    # the prefill side's 30 s KV lease expires, and the text is still equal. The prefill engine logs each lease
+    # that expires; a real transfer takes milliseconds. The time bound is the lease itself, not less: this
+    # machine kind was seen to stall every ordinary process for 2-17 s while two engines start and make their
+    # first transfer (a 50 ms sleep in an unrelated process overslept by up to 9.8 s).
+    assert "Releasing expired KV blocks" not in (tmp_path / "disagg-prefill.log").read_text(errors="replace")
     for name in PROMPTS:
-        assert disaggregated[name]["elapsed_s"] < KV_LEASE_S * 2 / 3, (name, disaggregated[name]["elapsed_s"])
+        assert disaggregated[name]["elapsed_s"] < KV_LEASE_S, (name, disaggregated[name]["elapsed_s"])

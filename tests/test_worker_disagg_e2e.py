@@ -132,7 +132,9 @@ def test_disaggregated_greedy_matches_vllm(disagg: Stack) -> None:
     # The first request of a new pair (NIXL handshake and UCX connection included) must read the KV for real:
     # a stalled read ends only when the prefill side's lease expires and decode recomputes (same text).
     assert "Releasing expired KV blocks" not in prefill.log(), "decode never read the prefill KV"
-    assert elapsed_s < KV_LEASE_S * 2 / 3, elapsed_s
+    # Bounded by the lease, not less: this machine kind stalls ordinary processes for 2-17 s while a new pair
+    # makes its first transfer (see tests/test_disagg_e2e.py).
+    assert elapsed_s < KV_LEASE_S, elapsed_s
 
 
 def test_client_min_tokens_passes_through_prefill(disagg: Stack) -> None:
