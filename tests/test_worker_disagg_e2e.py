@@ -32,11 +32,7 @@ from worker_support import (
 )
 
 pytest.importorskip("nixl")
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.runtime,
-    pytest.mark.slow,
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
 
 MODEL = "tiny"
 PROMPT = " ".join(["hello there how are you"] * 14)  # 70 tokens: more than two KV blocks of 32

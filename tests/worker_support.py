@@ -197,9 +197,8 @@ def discovery_diagnostics(file_kv: Path, *procs: Proc) -> str:
     return "\n".join(lines)
 
 
-RESTORED_MARK = (
-    "wrote it back"  # the worker's WARNING when it wrote back a discovery entry another process deleted
-)
+# The worker's WARNING when it wrote back a discovery entry another process deleted.
+RESTORED_MARK = "wrote it back"
 
 
 def complete(
@@ -213,18 +212,22 @@ def complete(
     """
     url = f"{base_url}/v1/completions"
     status, out = http_json(url, body, timeout)
-    if status == 503:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not any(RESTORED_MARK in proc.log() for proc in procs):
-            time.sleep(0.2)
-        if any(RESTORED_MARK in proc.log() for proc in procs):
-            print("HTTP 503 while a worker wrote back its discovery entry; retrying once")
-            with contextlib.suppress(AssertionError):
-                wait_until(lambda: model_ready(base_url, str(body["model"])), timeout=15, procs=procs)
-            status, out = http_json(url, body, timeout)
+    if status == 503 and _within(5, lambda: any(RESTORED_MARK in proc.log() for proc in procs)):
+        print("HTTP 503 while a worker wrote back its discovery entry; retrying once")
+        _within(15, lambda: model_ready(base_url, str(body["model"])), procs)
+        status, out = http_json(url, body, timeout)
     if status != 200:
         raise AssertionError(f"HTTP {status}: {out}\n{discovery_diagnostics(file_kv, *procs)}")
     return dict(out)
+
+
+def _within(timeout: float, predicate: Any, procs: Sequence[Proc] = ()) -> bool:
+    """:func:`wait_until` as a yes/no answer: whether ``predicate`` came true within ``timeout``."""
+    try:
+        wait_until(predicate, timeout=timeout, procs=procs)
+    except AssertionError:
+        return False
+    return True
 
 
 def model_ready(base_url: str, model: str) -> bool:
