@@ -7,6 +7,7 @@ they spawn) runs offline with a small KV cache.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,45 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM_DIR = REPO_ROOT / ".cache" / "upstream" / "ai-dynamo-1.6.1"
 
 from dynamo.common.nats_server import EmbeddedNatsServer  # noqa: E402
+from stall_meter import MACHINE  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_stall_meter() -> Iterator[None]:
+    """Measure the machine's stalls for the whole session: timing bounds subtract them (``stall_meter``)."""
+    MACHINE.start()
+    yield
+    MACHINE.stop()
+
+
+# (nodeid, start, end) in time.monotonic() seconds, setup and teardown included: where each stall happened.
+_TEST_SPANS: list[tuple[str, float, float]] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
+    started = time.monotonic()
+    try:
+        return (yield)
+    finally:
+        _TEST_SPANS.append((item.nodeid, started, time.monotonic()))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say how much the machine stalled during the run, and in which tests: the context of any timing failure."""
+    stalls = MACHINE.stalls()
+    if not stalls:
+        return
+    total = sum(end - start for start, end in stalls)
+    terminalreporter.write_line(
+        f"machine stalls measured: {len(stalls)}, {total:.1f} s in all (timing bounds in the tests left them out); "
+        "the longest:"
+    )
+    for start, end in sorted(stalls, key=lambda s: s[0] - s[1])[:3]:
+        during = [nodeid for nodeid, t0, t1 in _TEST_SPANS if t0 <= end and start <= t1] or [
+            "(between tests)"
+        ]
+        terminalreporter.write_line(f"  {end - start:5.1f} s during {', '.join(during)}")
 
 
 @pytest.fixture(scope="session")

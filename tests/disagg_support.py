@@ -24,6 +24,8 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
+from stall_meter import Deadline
+
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 KV_LEASE_S = 30
@@ -108,7 +110,7 @@ class EngineProcess:
 
     def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
         """Accept the child's connection and wait for its engine to be built."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         self._listener._listener._socket.settimeout(max(1.0, timeout))  # type: ignore[attr-defined]
         try:
             self.conn = self._listener.accept()
@@ -125,10 +127,10 @@ class EngineProcess:
         data = self.log_path.read_bytes()
         return data[-n:].decode(errors="replace")
 
-    def _recv(self, deadline: float) -> dict[str, Any]:
+    def _recv(self, deadline: Deadline) -> dict[str, Any]:
         assert self.conn is not None
         while True:
-            left = deadline - time.monotonic()
+            left = deadline.left_s()
             if left <= 0 or (self.proc.poll() is not None and not self.conn.poll(0)):
                 raise TimeoutError(
                     f"{self.spec.name}: no message (exit code {self.proc.poll()}); log:\n{self.tail_log()}"
@@ -136,7 +138,7 @@ class EngineProcess:
             if self.conn.poll(min(left, 0.5)):
                 return self.conn.recv()
 
-    def _pump(self, deadline: float) -> None:
+    def _pump(self, deadline: Deadline) -> None:
         msg = self._recv(deadline)
         if msg.get("op") == "result":
             self._pending[msg["rid"]] = msg
@@ -164,7 +166,7 @@ class EngineProcess:
 
     def result(self, rid: str, timeout: float = 60.0) -> dict[str, Any]:
         """The finished request: token_ids, finish_reason, kv_transfer_params, timings (engine clock)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while rid not in self._pending:
             self._pump(deadline)
         return self._pending.pop(rid)
@@ -177,7 +179,7 @@ class EngineProcess:
         """A control command (state, corrupt_blocks, set_switch_interval); returns its reply."""
         assert self.conn is not None
         self.conn.send({"op": op, **args})
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while not self._replies:
             self._pump(deadline)
         reply = self._replies.pop(0)
@@ -238,12 +240,12 @@ def wait_for_state(
     engine: EngineProcess, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20.0
 ) -> dict[str, Any]:
     """Poll the engine's scheduler state until ``predicate`` holds; fail with the last state."""
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while True:
         state = engine.call("state")
         if predicate(state):
             return state
-        if time.monotonic() > deadline:
+        if deadline.expired():
             raise TimeoutError(f"{engine.spec.name}: state never matched; last: {state}")
         time.sleep(0.02)
 

@@ -20,6 +20,7 @@ from dynamo.common.forward_pass_metrics import (
     decode,
 )
 from dynamo.common.fpm_subjects import EventEnvelope, decode_envelope
+from stall_meter import Deadline
 
 
 def full_record(worker_id: str = "worker-1", dp_rank: int = 0, seed: int = 1) -> ForwardPassMetrics:
@@ -92,8 +93,8 @@ class Collector:
 
 
 async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    deadline = Deadline(timeout)
+    while not deadline.expired():
         if pred():
             return True
         await asyncio.sleep(interval)
@@ -114,8 +115,8 @@ class CustomNatsServer:
         self.proc = subprocess.Popen(
             self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        deadline = Deadline(10)
+        while not deadline.expired():
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return self

@@ -20,6 +20,7 @@ from dynamo.common.forward_pass_metrics import (
 from dynamo.common.nats_server import free_port
 from dynamo.planner.config import PlannerConfig, config_from_mapping
 from dynamo.planner.observations import Capacity, EngineObs, Observation, PoolObs
+from stall_meter import Deadline
 
 CTX = 1000
 KV = 10_000
@@ -150,8 +151,8 @@ class EmbeddedEtcd:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        deadline = Deadline(20)
+        while not deadline.expired():
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
                     if resp.status == 200:

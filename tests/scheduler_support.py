@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stall_meter import Deadline
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
@@ -266,8 +268,8 @@ class NatsRecords:
             return self.records[-1] if self.records else None
 
     def wait_for(self, predicate: Any, timeout: float = 5.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = Deadline(timeout)
+        while not deadline.expired():
             for rec in reversed(self.snapshot()):
                 if predicate(rec):
                     return rec

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from demo_support import FAKE_OPENAI_SERVER, write_script  # puts launch/ on sys.path
+from stall_meter import Deadline
 
 # isort: split
 from demo_lib import charts, live_view, load, report, signals, stack, verdict
@@ -217,8 +218,8 @@ def fake_openai(tmp_path: Path):
     try:
         import httpx
 
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        deadline = Deadline(10)
+        while not deadline.expired():
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
                     break
@@ -306,9 +307,9 @@ def test_supervisor_reports_a_failed_component_with_its_log_tail(tmp_path: Path)
             "bad",
             [sys.executable, "-c", "import sys; print('line1'); print('boom: port taken'); sys.exit(3)"],
         )
-        deadline = time.monotonic() + 10
+        deadline = Deadline(10)
         failure = None
-        while failure is None and time.monotonic() < deadline:
+        while failure is None and not deadline.expired():
             failure = sup.check()
             time.sleep(0.05)
         assert failure is not None and failure.name == "bad" and failure.returncode == 3
@@ -329,7 +330,9 @@ def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
                            nats_port=4999, http_port=8999)  # fmt: skip
     dec = stack.worker_argv(cfg, "decode")
     assert dec[1:3] == ["-m", "dynamo.vllm"] and dec[dec.index("--disaggregation-mode") + 1] == "decode"
-    assert json.loads(dec[dec.index("--kv-transfer-config") + 1])["kv_connector"] == "NixlConnector"
+    kv = json.loads(dec[dec.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "NixlConnector"
+    assert kv["kv_connector_extra_config"] == {"kv_lease_duration": cfg.kv_lease_s}
     assert "--kv-transfer-config" not in stack.worker_argv(cfg, "agg")
     conf = stack.planner_config(cfg)
     assert conf["connector"] == "local" and conf["local"]["initial_decode"] == 1  # type: ignore[index]

@@ -8,7 +8,6 @@ a new frontend with a prefill and a decode worker (vLLM's NixlConnector with a C
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,12 @@ pytest.importorskip("nixl")
 pytest.importorskip("dynamo.llm")
 
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from stall_meter import running_s
 from worker_support import (
     Proc,
     base_env,
     complete,
+    kv_transfer_config_json,
     model_ready,
     start_frontend,
     start_worker,
@@ -38,18 +39,9 @@ PROMPTS = {
     "long": " ".join(["the cat sat on a mat and it was warm"] * 15),  # 150 words: 5 KV blocks
 }
 MAX_TOKENS = 16
-KV_LEASE_S = 30.0  # NixlConnector's default lease on the prefill side's blocks
-
-
-def _kv(role: str) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "NixlConnector",
-            "kv_role": role,
-            "kv_buffer_device": "cpu",
-            "kv_connector_module_path": "dynamo.vllm.nixl_cpu",
-        }
-    )
+# The time a disaggregated request may take, counted in the machine's running time: a real transfer takes
+# milliseconds, and a new pair's first request (NIXL handshake, UCX connection) took 1.2-19.8 s here.
+REQUEST_BOUND_S = 30.0
 
 
 def _complete(base_url: str, prompt: str, file_kv: Path, procs: list[Proc]) -> dict[str, Any]:
@@ -77,7 +69,7 @@ def _serve(work: Path, nats_url: str, phase: str, workers: dict[str, list[str]],
         for name, prompt in PROMPTS.items():
             started = time.monotonic()
             results[name] = _complete(base_url, prompt, file_kv, procs)
-            results[name]["elapsed_s"] = time.monotonic() - started
+            results[name]["running_s"] = running_s(started, time.monotonic())
         return results
     finally:
         for proc in procs:
@@ -93,8 +85,18 @@ def test_disaggregated_completion_equals_aggregated_worker(
         nats_server.url,
         "disagg",
         {
-            "prefill": ["--disaggregation-mode", "prefill", "--kv-transfer-config", _kv("kv_producer")],
-            "decode": ["--disaggregation-mode", "decode", "--kv-transfer-config", _kv("kv_consumer")],
+            "prefill": [
+                "--disaggregation-mode",
+                "prefill",
+                "--kv-transfer-config",
+                kv_transfer_config_json("kv_producer"),
+            ],
+            "decode": [
+                "--disaggregation-mode",
+                "decode",
+                "--kv-transfer-config",
+                kv_transfer_config_json("kv_consumer"),
+            ],
         },
         tiny_model_dir,
     )
@@ -104,11 +106,11 @@ def test_disaggregated_completion_equals_aggregated_worker(
         assert dis["usage"] == agg["usage"], name
         assert agg["usage"]["completion_tokens"] == MAX_TOKENS
     assert disaggregated["long"]["usage"]["prompt_tokens"] > 4 * 32  # the KV of several blocks moved
-    # The comparison alone does not bite: when the transfer fails, the decode side recomputes the prompt after
-    # the prefill side's 30 s KV lease expires, and the text is still equal. The prefill engine logs each lease
-    # that expires; a real transfer takes milliseconds. The time bound is the lease itself, not less: this
-    # machine kind was seen to stall every ordinary process for 2-17 s while two engines start and make their
-    # first transfer (a 50 ms sleep in an unrelated process overslept by up to 9.8 s).
+    # The comparison alone does not bite: when the transfer fails, the decode side recomputes the prompt, and
+    # the text is still equal. A read that fails is logged by decode; one that hangs ends when the prefill
+    # side's KV lease expires (logged) and fails the time bound before that. The bound leaves out the machine's
+    # stalls (tests/stall_meter.py); the lease outlasts them (worker_support.E2E_KV_LEASE_S).
+    assert "NIXL transfer failure" not in (tmp_path / "disagg-decode.log").read_text(errors="replace")
     assert "Releasing expired KV blocks" not in (tmp_path / "disagg-prefill.log").read_text(errors="replace")
     for name in PROMPTS:
-        assert disaggregated[name]["elapsed_s"] < KV_LEASE_S, (name, disaggregated[name]["elapsed_s"])
+        assert disaggregated[name]["running_s"] < REQUEST_BOUND_S, (name, disaggregated[name]["running_s"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from demo_support import REPO, check_command
+from stall_meter import Deadline
 
 # isort: split
 
@@ -151,8 +152,8 @@ def _fake_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _pids(tmp_path: Path, n: int, timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    deadline = Deadline(timeout)
+    while not deadline.expired():
         if (tmp_path / "pids").exists():
             lines = (tmp_path / "pids").read_text().splitlines()
             if len(lines) >= n:

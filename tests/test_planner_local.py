@@ -16,6 +16,7 @@ from dynamo.common.fpm_tracker import FpmTracker
 from dynamo.planner.connector_local import LocalConnector
 from dynamo.planner.loop import Planner
 from dynamo.planner.policy import Decision
+from stall_meter import Deadline
 
 from tests.planner_support import STAND_IN_FPM_WORKER, config
 
@@ -23,9 +24,9 @@ pytestmark = pytest.mark.timeout(150)
 
 
 async def _until(cond: Any, what: str, timeout: float = 40.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while not cond():
-        assert time.monotonic() < deadline, what
+        assert not deadline.expired(), f"{what} (waited {deadline.describe()})"
         await asyncio.sleep(0.1)
 
 

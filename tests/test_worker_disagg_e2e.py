@@ -9,7 +9,6 @@ pool's FPM records must arrive under its own worker's connection id.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -18,11 +17,14 @@ from typing import Any
 
 import pytest
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from stall_meter import running_s
 from worker_support import (
+    RESTORED_MARK,
     Proc,
     base_env,
     complete,
     http_json,
+    kv_transfer_config_json,
     model_ready,
     scrape,
     start_frontend,
@@ -36,13 +38,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
 
 MODEL = "tiny"
 PROMPT = " ".join(["hello there how are you"] * 14)  # 70 tokens: more than two KV blocks of 32
-KV = {
-    "kv_connector": "NixlConnector",
-    "kv_role": "kv_both",
-    "kv_buffer_device": "cpu",
-    "kv_connector_module_path": "dynamo.vllm.nixl_cpu",
-}
-KV_LEASE_S = 30  # NixlConnector's default: the prefill side frees unread blocks after this long
+# The first request of a new pair (NIXL handshake and UCX connection included), in the machine's running time.
+FIRST_REQUEST_BOUND_S = 30
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ def disagg(
     file_kv.mkdir()
     env = base_env(file_kv, nats_server.url)  # the worker's and the CPU layer's defaults, nothing tuned
     http_port, prefill_metrics, decode_metrics = free_port(), free_port(), free_port()
-    common = ["--served-model-name", MODEL, "--kv-transfer-config", json.dumps(KV)]
+    common = ["--served-model-name", MODEL, "--kv-transfer-config", kv_transfer_config_json("kv_both")]
     frontend = start_frontend(http_port, env, work / "frontend.log")
     prefill = start_worker(
         tiny_model_dir,
@@ -119,18 +116,19 @@ def test_disaggregated_greedy_matches_vllm(disagg: Stack) -> None:
     assert sorted(ready["namespaces"]["dynamo"]["present"]) == ["decode", "prefill"]
     started = time.monotonic()
     out = disagg.complete({"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
-    elapsed_s = time.monotonic() - started
+    took_s = running_s(started, time.monotonic())
     ref = disagg.reference
     assert out["choices"][0]["text"].split() == ref["text"].split()
     assert out["usage"]["prompt_tokens"] == ref["prompt_len"]
     _, prefill, decode = disagg.procs
-    assert "cancelled" not in prefill.log() and "cancelled" not in decode.log()
-    # The first request of a new pair (NIXL handshake and UCX connection included) must read the KV for real:
-    # a stalled read ends only when the prefill side's lease expires and decode recomputes (same text).
+    if RESTORED_MARK not in prefill.log() + decode.log():  # else the frontend dropped the pair mid-request
+        assert "cancelled" not in prefill.log() and "cancelled" not in decode.log()
+    # The first request of a new pair must read the KV for real: a read that fails is logged by decode (which
+    # then recomputes: same text), one that hangs fails the time bound and ends in an expired lease. The bound
+    # leaves out the machine's stalls (tests/stall_meter.py); the lease outlasts them (E2E_KV_LEASE_S).
+    assert "NIXL transfer failure" not in decode.log()
     assert "Releasing expired KV blocks" not in prefill.log(), "decode never read the prefill KV"
-    # Bounded by the lease, not less: this machine kind stalls ordinary processes for 2-17 s while a new pair
-    # makes its first transfer (see tests/test_disagg_e2e.py).
-    assert elapsed_s < KV_LEASE_S, elapsed_s
+    assert took_s < FIRST_REQUEST_BOUND_S, took_s
 
 
 def test_client_min_tokens_passes_through_prefill(disagg: Stack) -> None:

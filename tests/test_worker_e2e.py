@@ -27,6 +27,7 @@ from dynamo.common.nats_server import EmbeddedNatsServer, free_port
 from worker_support import (
     Proc,
     base_env,
+    complete,
     http_json,
     http_text,
     low_free_port,
@@ -128,9 +129,7 @@ def stack(
 
 
 def _complete(stack: Stack, **body: Any) -> dict[str, Any]:
-    status, payload = http_json(f"{stack.base_url}/v1/completions", {"model": MODEL, **body})
-    assert status == 200, payload
-    return payload
+    return complete(stack.base_url, {"model": MODEL, **body}, stack.file_kv, [stack.worker, stack.frontend])
 
 
 def _stream(stack: Stack, path: str, body: dict[str, Any]) -> tuple[str, str | None]:

@@ -20,9 +20,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from disagg_support import kv_transfer_config
+from stall_meter import Deadline
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# The KV lease the disaggregated worker tests give vLLM's NixlConnector (its default is 30 s): the prefill side
+# frees blocks no decode worker read within it. This machine kind stalls every process for up to 33 s at a time,
+# and a lease that runs out during a stall frees KV a decode worker then reads anyway ("Potentially invalid KV
+# blocks"). A read that really hangs fails the tests' time bound (30 s of the machine's time) long before.
+E2E_KV_LEASE_S = 120
+
 ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", "32"]
+
+
+def kv_transfer_config_json(role: str) -> str:
+    """A worker's ``--kv-transfer-config``: NixlConnector with the CPU layer and :data:`E2E_KV_LEASE_S`."""
+    return json.dumps(kv_transfer_config(role, lease_s=E2E_KV_LEASE_S))
 
 
 def low_free_port() -> int:
@@ -147,10 +161,11 @@ def http_text(url: str, timeout: float = 10.0) -> str:
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.2, procs: Sequence[Proc] = ()) -> Any:
-    """Poll ``predicate`` until truthy; fail early with the log of any process that died."""
-    deadline = time.monotonic() + timeout
+    """Poll ``predicate`` until truthy; fail early with the log of any process that died. The timeout counts
+    only the time the machine ran (see :mod:`stall_meter`)."""
+    deadline = Deadline(timeout)
     last_exc: Exception | None = None
-    while time.monotonic() < deadline:
+    while not deadline.expired():
         for proc in procs:
             if proc.popen.poll() is not None:
                 raise AssertionError(
@@ -164,7 +179,7 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.2, procs: Seq
             last_exc = exc
         time.sleep(interval)
     tails = "\n".join(p.log()[-3000:] for p in procs)
-    raise AssertionError(f"timed out after {timeout} s (last error: {last_exc!r})\n{tails}")
+    raise AssertionError(f"timed out after {deadline.describe()} (last error: {last_exc!r})\n{tails}")
 
 
 def discovery_diagnostics(file_kv: Path, *procs: Proc) -> str:
@@ -206,14 +221,20 @@ def complete(
 ) -> dict[str, Any]:
     """POST a completion and return its JSON; any other answer fails with :func:`discovery_diagnostics`.
 
-    One case is retried, once: a 503 while a worker writes back a discovery entry that another process
-    expired (the worker logs :data:`RESTORED_MARK`; the frontend routes to it again within about 2 s). That
-    path is the worker's self-healing and has its own test; any other failure is reported as it is.
+    One case is retried, once: a 503 or 504 while a worker writes back a discovery entry that another process
+    expired (the worker logs :data:`RESTORED_MARK`; the frontend routes to it again within about 2 s). That is
+    what a machine stall longer than discovery's 10 s expiry does: the frontend drops the workers, and the
+    requests in flight with them (504), the moment the machine runs again, milliseconds before the workers
+    write their entries back. That path is the worker's self-healing and has its own test; any other failure
+    is reported as it is.
     """
     url = f"{base_url}/v1/completions"
+    restored_before = sum(proc.log().count(RESTORED_MARK) for proc in procs)
     status, out = http_json(url, body, timeout)
-    if status == 503 and _within(5, lambda: any(RESTORED_MARK in proc.log() for proc in procs)):
-        print("HTTP 503 while a worker wrote back its discovery entry; retrying once")
+    if status in (503, 504) and _within(
+        5, lambda: sum(proc.log().count(RESTORED_MARK) for proc in procs) > restored_before
+    ):
+        print(f"HTTP {status} while a worker wrote back its discovery entry; retrying once")
         _within(15, lambda: model_ready(base_url, str(body["model"])), procs)
         status, out = http_json(url, body, timeout)
     if status != 200:

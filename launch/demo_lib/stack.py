@@ -52,6 +52,10 @@ class DemoConfig:
     decode_kv_blocks: int = 64
     prefill_kv_blocks: int = 256
     decode_max_num_seqs: int = 16
+    # How long a prefill worker keeps a prompt's KV for the decode worker to read (vLLM's default is 30 s). A laptop
+    # or a small VM running several engines may stop processes for tens of seconds (33 s measured on CI's VMs);
+    # a lease that runs out meanwhile frees KV the decode worker then reads anyway.
+    kv_lease_s: int = 120
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -158,7 +162,8 @@ def worker_argv(cfg: DemoConfig, mode: str) -> list[str]:
     if mode != "prefill":
         argv += ["--max-num-seqs", str(cfg.decode_max_num_seqs)]
     if mode != "agg":
-        argv += ["--kv-transfer-config", json.dumps(CPU_KV_TRANSFER_CONFIG, separators=(",", ":"))]
+        kv = {**CPU_KV_TRANSFER_CONFIG, "kv_connector_extra_config": {"kv_lease_duration": cfg.kv_lease_s}}
+        argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     return argv
 
 
