@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         prefill_max=args.prefill_max,
         planner_interval_s=args.planner_interval,
         scale_down_window_s=args.scale_down_window,
-        extra_env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "VLLM_CPU_", "OMP_"))},
+        extra_env={
+            k: v for k, v in os.environ.items() if k.startswith(("UCX_", "VLLM_CPU_", "OMP_", "DYN_VLLM_"))
+        },
     )
     demo = DemoRun(
         cfg,

@@ -1,11 +1,11 @@
 """How long the machine kept ordinary processes from running: the yardstick for the tests' timing bounds.
 
-The virtual machines this project's CI runs on stop every ordinary process now and then, for 2-33 s at a time,
-while the CPUs sit idle (measured: a process timing its own 50 ms sleeps overslept by that much, the same
-measurement at real-time priority did not; a worker's keep-alive logged one pass 32.7 s late). A timing bound
-in a test means "this long while the machine lets the processes run", so the tests subtract what this meter
-saw: a request that took 35 s during a 33 s stall took 2 s of the machine's time, and a transfer that really
-hangs still fails, because the meter sees no stall then.
+On this project's 2-core CI machines ordinary processes are now and then kept from running for seconds, 2-33 s
+measured (a worker's keep-alive logged one pass 32.7 s late): once with both cores taken by two engine
+processes' busy waits, once with the CPUs idle (docs/disaggregation.md, "Hosts that stall"). A timing bound in
+a test means "this long while the machine lets the processes run", so the tests subtract what this meter saw: a
+request that took 35 s during a 33 s stall took 2 s of the machine's time, and a transfer that really hangs
+still fails, because the meter sees no stall then.
 
 The meter is a small child process (not a thread: a thread would also count the test process holding its own
 GIL) that sleeps :data:`TICK_S` at a time and reports every wake-up that came more than :data:`MIN_STALL_S`

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shlex
@@ -345,6 +346,9 @@ def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
     env = stack.stack_env(cfg)
     assert env["NATS_SERVER"] == "nats://127.0.0.1:4999" and env["DYN_FILE_KV"] == str(tmp_path / "d")
     assert env["OMP_NUM_THREADS"] == str(stack.omp_threads_per_engine(cfg))
+    assert env["DYN_VLLM_SHM_WAIT_SLEEP_US"] == "100"  # every worker, the aggregated variant's too
+    user = dataclasses.replace(cfg, extra_env={"DYN_VLLM_SHM_WAIT_SLEEP_US": "0"})
+    assert stack.stack_env(user)["DYN_VLLM_SHM_WAIT_SLEEP_US"] == "0"  # the user's own value wins
     phases = stack.load_phases(240, 1.0)
     assert [p.name for p in phases] == ["warmup", "burst", "idle"]
     assert sum(p.duration_s for p in phases) == pytest.approx(240)

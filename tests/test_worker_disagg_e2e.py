@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disagg_support import process_cpu_seconds
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
 from stall_meter import running_s
 from worker_support import (
@@ -23,6 +24,7 @@ from worker_support import (
     Proc,
     base_env,
     complete,
+    descendants,
     http_json,
     kv_transfer_config_json,
     model_ready,
@@ -146,7 +148,7 @@ def test_no_worker_thread_is_confined_to_one_core(disagg: Stack) -> None:
     for proc in disagg.procs[1:]:
         workers = [
             pid
-            for pid in _descendants(proc.pid)
+            for pid in descendants(proc.pid)
             if Path(f"/proc/{pid}/comm").read_text().strip() == "VLLM::Worker"
         ]
         assert workers, proc.log()[-2000:]
@@ -159,21 +161,23 @@ def test_no_worker_thread_is_confined_to_one_core(disagg: Stack) -> None:
             assert not narrow, narrow
 
 
-def _descendants(pid: int) -> list[int]:
-    children_of: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children_of.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children_of.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+def test_engine_processes_rest_between_requests(disagg: Stack) -> None:
+    """On CPU a prefill or decode worker makes vLLM's ring-buffer waits sleep (``dynamo.vllm.shm_wait``): right
+    after each message vLLM's engine processes used to call sched_yield in a loop for 1 s, a core each, and a
+    prefill and a decode worker took both cores of this machine from everything else."""
+    engine = [
+        pid
+        for proc in disagg.procs[1:]
+        for pid in descendants(proc.pid)
+        if Path(f"/proc/{pid}/comm").read_text().strip() in ("VLLM::Worker", "VLLM::EngineCor")
+    ]
+    assert len(engine) >= 4, engine
+    disagg.complete({"model": MODEL, "prompt": "hello there", "max_tokens": 2, "temperature": 0})
+    before = {pid: process_cpu_seconds(pid) for pid in engine}
+    time.sleep(0.6)  # inside vLLM's 1 s busy period after the last message
+    used = {pid: round(process_cpu_seconds(pid) - before[pid], 3) for pid in engine}
+    assert max(used.values()) < 0.2, used
+    assert all("DYN_VLLM_SHM_WAIT_SLEEP_US=100" in proc.log() for proc in disagg.procs[1:])
 
 
 async def test_each_pool_publishes_under_its_worker_id(disagg: Stack) -> None:

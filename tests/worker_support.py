@@ -138,6 +138,24 @@ def start_worker(model_dir: Path, env: dict[str, str], log_path: Path, *extra: s
     return Proc(args, env, log_path)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren...), read from /proc."""
+    children_of: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children_of.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children_of.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> tuple[int, Any]:
     """GET (or POST ``body``) and decode JSON; returns (status, payload or text)."""
     data = json.dumps(body).encode() if body is not None else None

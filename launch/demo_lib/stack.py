@@ -112,6 +112,9 @@ def stack_env(cfg: DemoConfig) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(omp_threads_per_engine(cfg)),
+        # Several engines share this host: their processes sleep instead of yielding between steps, in the
+        # aggregated variant too (the worker sets this itself only for prefill and decode workers).
+        "DYN_VLLM_SHM_WAIT_SLEEP_US": "100",
     }
     env.update(cfg.extra_env)
     return env

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo.vllm import shm_wait
 from dynamo.vllm.args import INSTRUMENTED_SCHEDULER, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ def disaggregation_environment(
       threads, ZMQ) inherits that core, beside the main thread's busy wait between steps. Decode-side
       NIXL reads then stalled for 20-220 s (until the prefill side's KV lease expired) in most runs
       on 2 cores; unbound, 24 of 24 transfers took milliseconds (docs/disaggregation.md).
+    - On CPU, ``DYN_VLLM_SHM_WAIT_SLEEP_US=100``: each vLLM engine process yields the CPU in a loop for 1 s
+      after every message, a core per process; a prefill and a decode engine took both cores of a 2-core host
+      from everything else (``dynamo.vllm.shm_wait``).
     """
     if mode not in ("prefill", "decode"):
         return {}
@@ -104,6 +108,8 @@ def disaggregation_environment(
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port)
     if cpu_platform and not environ.get(OMP_BIND_ENV):
         env[OMP_BIND_ENV] = "nobind"
+    if cpu_platform and not environ.get(shm_wait.ENV):
+        env[shm_wait.ENV] = str(shm_wait.DEFAULT_SLEEP_US)
     return env
 
 

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
-from dynamo.vllm import registration
+from dynamo.vllm import registration, shm_wait
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.drain import ExitCode, InflightTracker, drain
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
@@ -67,6 +67,10 @@ def prepare(config: WorkerConfig) -> Any:
     config.fpm_enabled = choice.fpm_enabled
     config.engine_args.scheduler_cls = choice.scheduler_cls
     try:
+        shm_wait.sleep_us_from(os.environ)
+    except ValueError as exc:
+        fail(str(exc))
+    try:
         return eng.create_vllm_config(config.engine_args)
     except Exception as exc:
         fail(_one_line(exc))
@@ -90,6 +94,13 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
             "(set it yourself to override)",
             eng.OMP_BIND_ENV,
             disagg_env[eng.OMP_BIND_ENV],
+        )
+    if shm_wait.ENV in disagg_env:
+        log.info(
+            "%s=%s: vLLM's engine processes sleep instead of yielding in their waits on CPU "
+            "(set it yourself to override, 0 for vLLM's sched_yield)",
+            shm_wait.ENV,
+            disagg_env[shm_wait.ENV],
         )
     os.environ.update(disagg_env)
     nats = os.environ.get("NATS_SERVER", "")
