@@ -17,13 +17,13 @@ pytestmark = pytest.mark.vllm
 
 
 def _run(
-    module: str, args: list[str], tmp_path: Path, timeout: float = 120
+    module: str, args: list[str], tmp_path: Path, timeout: float = 120, **env: str
 ) -> subprocess.CompletedProcess[str]:
     kv = tmp_path / "kv"
     kv.mkdir(exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", module, *args],
-        env=base_env(kv),
+        env=base_env(kv, **env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -59,6 +59,19 @@ def test_worker_bad_arguments_exit_2_with_one_line(
     assert reason in errors[0]
     assert "Traceback" not in proc.stderr
     assert not any((tmp_path / "kv").iterdir()), "nothing may be registered"
+
+
+def test_worker_bad_engine_wait_setting_exits_2_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    proc = _run(
+        "dynamo.vllm",
+        ["--model", str(tiny_model_dir), *ENGINE_FLAGS[:2]],
+        tmp_path,
+        DYN_VLLM_SHM_WAIT_SLEEP_US="fast",
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = _error_lines(proc, "dynamo.vllm")
+    assert len(errors) == 1 and "DYN_VLLM_SHM_WAIT_SLEEP_US='fast'" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_worker_help_documents_our_flags_and_vllms(tmp_path: Path) -> None:

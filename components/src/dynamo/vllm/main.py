@@ -67,10 +67,6 @@ def prepare(config: WorkerConfig) -> Any:
     config.fpm_enabled = choice.fpm_enabled
     config.engine_args.scheduler_cls = choice.scheduler_cls
     try:
-        shm_wait.sleep_us_from(os.environ)
-    except ValueError as exc:
-        fail(str(exc))
-    try:
         return eng.create_vllm_config(config.engine_args)
     except Exception as exc:
         fail(_one_line(exc))
@@ -244,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     # The Dynamo runtime starts threads; a forked EngineCore would inherit them half-copied.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    try:  # before vLLM loads its plugins (while parsing the engine arguments), which read it too
+        shm_wait.sleep_us_from(os.environ)
+    except ValueError as exc:
+        fail(str(exc))
     config = parse_args(argv)
     vllm_config = prepare(config)
     try:

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from dynamo.vllm.env_values import flag, number
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -86,40 +88,16 @@ class CpuFixPlan:
         )
 
 
-def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={raw!r}: expected 0/1, true/false, yes/no or on/off")
-
-
-def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r}: must be >= 0")
-    return value
-
-
 def plan_fixes(*, is_cpu_platform: bool, in_process_engine: bool, env: Mapping[str, str]) -> CpuFixPlan:
     """Decide the fixes from the platform and the environment; pure, so every combination is testable.
 
     Nothing is applied off the CPU platform: GPU hosts get vLLM's connector unchanged. Invalid values
     raise, so a typo never silently turns a fix off.
     """
-    delay = int(_env_number(env, ENV_PROGRESS_DELAY_US, DEFAULT_PROGRESS_DELAY_US))
-    keep = _env_flag(env, ENV_KEEP_AFFINITY, True)
-    interval = _env_number(env, ENV_SWITCH_INTERVAL, DEFAULT_SWITCH_INTERVAL_S)
-    spread = _env_flag(env, ENV_SPREAD_THREADS, True)
+    delay = int(number(env, ENV_PROGRESS_DELAY_US, DEFAULT_PROGRESS_DELAY_US))
+    keep = flag(env, ENV_KEEP_AFFINITY, True)
+    interval = number(env, ENV_SWITCH_INTERVAL, DEFAULT_SWITCH_INTERVAL_S)
+    spread = flag(env, ENV_SPREAD_THREADS, True)
     if not is_cpu_platform:
         return CpuFixPlan()
     return CpuFixPlan(

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
+from dynamo.vllm.env_values import number
+
 log = logging.getLogger(__name__)
 
 ENV = "DYN_VLLM_SHM_WAIT_SLEEP_US"
@@ -32,17 +34,8 @@ _MARK = "_dynamo_shm_wait_sleep_us"
 
 
 def sleep_us_from(environ: Mapping[str, str]) -> int:
-    """The configured sleep in microseconds (0: leave vLLM alone); a bad value names the variable."""
-    raw = environ.get(ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV}={raw!r}: expected a whole number of microseconds (0 turns it off)") from None
-    if value < 0:
-        raise ValueError(f"{ENV}={raw!r}: expected a whole number of microseconds >= 0")
-    return value
+    """The configured sleep in whole microseconds (0: leave vLLM alone); a bad value names the variable."""
+    return int(number(environ, ENV, 0))
 
 
 def napper(sleep_us: int) -> Callable[[], None]:
