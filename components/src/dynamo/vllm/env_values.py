@@ -20,15 +20,17 @@ def flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ValueError(f"{name}={raw!r}: expected 0/1, true/false, yes/no or on/off")
 
 
-def number(env: Mapping[str, str], name: str, default: float) -> float:
-    """A number >= 0; unset or empty gives ``default``."""
+def number(
+    env: Mapping[str, str], name: str, default: float, *, allow_zero: bool = True, what: str = "a number"
+) -> float:
+    """A number >= 0 (> 0 without ``allow_zero``); unset or empty gives ``default``. ``what`` names the unit in errors."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r}: must be >= 0")
+        raise ValueError(f"{name}={raw!r}: expected {what}") from None
+    if value != value or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={raw!r}: must be {'>= 0' if allow_zero else '> 0'}")
     return value

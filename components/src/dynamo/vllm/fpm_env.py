@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamo.common.fpm_subjects import DECODE_COMPONENT, DEFAULT_ENDPOINT, DEFAULT_NAMESPACE
+from dynamo.vllm.env_values import flag, number
 
 logger = logging.getLogger(__name__)
 
@@ -34,32 +35,7 @@ DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_AUDIT_INTERVAL = 30.0
 QUEUE_ACCOUNTING_MODES = ("auto", "incremental", "scan")
 
-_FALSE = {"0", "false", "no", "off"}
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in _FALSE:
-        return False
-    if raw in _TRUE:
-        return True
-    raise ValueError(f"{name}={env[name]!r}: expected one of 1/0, true/false, yes/no, on/off")
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float, *, allow_zero: bool) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected seconds (a number)") from None
-    if value < 0 or (value == 0 and not allow_zero) or value != value:
-        raise ValueError(f"{name}={raw!r}: must be {'>= 0' if allow_zero else '> 0'}")
-    return value
+SECONDS = "seconds (a number)"
 
 
 def fallback_worker_id() -> str:
@@ -95,20 +71,20 @@ class FpmSettings:
         if mode not in QUEUE_ACCOUNTING_MODES:
             raise ValueError(f"{ENV_QUEUE_ACCOUNTING}={mode!r}: expected one of {QUEUE_ACCOUNTING_MODES}")
         return cls(
-            enabled=_flag(env, ENV_ENABLED, True),
+            enabled=flag(env, ENV_ENABLED, True),
             namespace=env.get(ENV_NAMESPACE, "").strip() or DEFAULT_NAMESPACE,
             component=env.get(ENV_COMPONENT, "").strip() or DECODE_COMPONENT,
             endpoint=env.get(ENV_ENDPOINT, "").strip() or DEFAULT_ENDPOINT,
             worker_id=env.get(ENV_WORKER_ID, "").strip() or None,
             nats_url=env.get(ENV_NATS, "").strip() or None,
             stats_file=env.get(ENV_STATS_FILE, "").strip() or None,
-            snapshot_interval=_seconds(
-                env, ENV_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_INTERVAL, allow_zero=False
+            snapshot_interval=number(
+                env, ENV_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_INTERVAL, allow_zero=False, what=SECONDS
             ),
-            heartbeat_interval=_seconds(
-                env, ENV_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_INTERVAL, allow_zero=False
+            heartbeat_interval=number(
+                env, ENV_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_INTERVAL, allow_zero=False, what=SECONDS
             ),
-            audit_interval=_seconds(env, ENV_AUDIT_INTERVAL, DEFAULT_AUDIT_INTERVAL, allow_zero=True),
+            audit_interval=number(env, ENV_AUDIT_INTERVAL, DEFAULT_AUDIT_INTERVAL, what=SECONDS),
             queue_accounting=mode,
         )
 
