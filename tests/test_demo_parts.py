@@ -445,6 +445,16 @@ def test_processes_without_the_marker_are_found_by_session_and_parentage(tmp_pat
     assert os.getpid() not in found
     sup.stop_all(timeout=5)
     assert pids_with_marker(run_id) == []
+    # Not only out of the scan's sight: the child in a session of its own was orphaned when its parent stopped.
+    wait_until(lambda: not [pid for pid in found if _alive(pid)], timeout=5, interval=0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may_run(tmp_path: Path) -> None:

@@ -122,6 +122,18 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): with the pid it names one process even if the pid is
+    reused later. None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return None if fields[0] == b"Z" else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _signal_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -219,6 +231,9 @@ class Supervisor:
         """
         for m in self.procs:
             m.stopping = True
+        # The run's processes, listed before anything is signalled: a child in a session of its own whose
+        # environment lost the marker is found only through its parent, and stopping the parent orphans it.
+        members = {pid: _start_time(pid) for pid in pids_with_marker(self.run_id)}
         pending = [m for m in reversed(self.procs) if m.exited() is None]
         for m in pending:
             _signal_group(m.pid, signal.SIGTERM)
@@ -230,26 +245,34 @@ class Supervisor:
             _signal_group(m.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 m.proc.wait(5)
-        return self.kill_marked(grace=5.0)
+        return self.kill_marked(grace=5.0, members=members)
 
-    def kill_marked(self, grace: float = 5.0) -> list[str]:
-        """SIGTERM, then SIGKILL, every live process with this run's marker (except ourselves).
+    def _left(self, members: Mapping[int, int | None]) -> list[int]:
+        """Live processes of the run: the marker scan, plus listed members that are still the same process."""
+        me = os.getpid()
+        listed = {
+            pid for pid, started in members.items() if started is not None and _start_time(pid) == started
+        }
+        return sorted((set(pids_with_marker(self.run_id)) | listed) - {me})
+
+    def kill_marked(self, grace: float = 5.0, members: Mapping[int, int | None] | None = None) -> list[str]:
+        """SIGTERM, then SIGKILL, every live process with this run's marker and every listed member still alive
+        (pid -> start time, from before the stop; never ourselves).
 
         Returns ``"pid command"`` of each process found (should be none after a clean stop).
         """
-        me = os.getpid()
-        stragglers = [p for p in pids_with_marker(self.run_id) if p != me]
+        members = members or {}
+        stragglers = self._left(members)
         found = [f"{p} {_cmdline(p)}" for p in stragglers]
         for pid in stragglers:
             _signal_pid(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p != me for p in pids_with_marker(self.run_id)):
+        while time.monotonic() < deadline and self._left(members):
             time.sleep(0.2)
-        for pid in pids_with_marker(self.run_id):
-            if pid != me:
-                _signal_pid(pid, signal.SIGKILL)
+        for pid in self._left(members):
+            _signal_pid(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5.0  # SIGKILL is asynchronous: wait until they are gone
-        while time.monotonic() < deadline and any(p != me for p in pids_with_marker(self.run_id)):
+        while time.monotonic() < deadline and self._left(members):
             time.sleep(0.05)
         return found
 
