@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from disagg_support import process_cpu_seconds
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
-from stall_meter import running_s
+from stall_meter import Deadline, running_s
 from worker_support import (
     RESTORED_MARK,
     Proc,
@@ -192,8 +192,8 @@ async def test_each_pool_publishes_under_its_worker_id(disagg: Stack) -> None:
         sub = await nc.subscribe(fpm_subscription("dynamo"))
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
         await asyncio.to_thread(disagg.complete, body)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not all(timed.values()):
+        deadline = Deadline(15)
+        while not deadline.expired() and not all(timed.values()):
             try:
                 msg = await sub.next_msg(timeout=1)
             except Exception:

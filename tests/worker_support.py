@@ -247,17 +247,20 @@ def complete(
     is reported as it is.
     """
     url = f"{base_url}/v1/completions"
-    restored_before = sum(proc.log().count(RESTORED_MARK) for proc in procs)
+    restored_before = _restored(procs)
     status, out = http_json(url, body, timeout)
-    if status in (503, 504) and _within(
-        5, lambda: sum(proc.log().count(RESTORED_MARK) for proc in procs) > restored_before
-    ):
+    if status in (503, 504) and _within(5, lambda: _restored(procs) > restored_before):
         print(f"HTTP {status} while a worker wrote back its discovery entry; retrying once")
         _within(15, lambda: model_ready(base_url, str(body["model"])), procs)
         status, out = http_json(url, body, timeout)
     if status != 200:
         raise AssertionError(f"HTTP {status}: {out}\n{discovery_diagnostics(file_kv, *procs)}")
     return dict(out)
+
+
+def _restored(procs: Sequence[Proc]) -> int:
+    """How many discovery entries the processes have written back so far (:data:`RESTORED_MARK` lines)."""
+    return sum(proc.log().count(RESTORED_MARK) for proc in procs)
 
 
 def _within(timeout: float, predicate: Any, procs: Sequence[Proc] = ()) -> bool:

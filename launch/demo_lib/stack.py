@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynamo.vllm import shm_wait
+
 from .load import Phase
 
 HERE = Path(__file__).resolve().parent
@@ -114,7 +116,7 @@ def stack_env(cfg: DemoConfig) -> dict[str, str]:
         "OMP_NUM_THREADS": str(omp_threads_per_engine(cfg)),
         # Several engines share this host: their processes sleep instead of yielding between steps, in the
         # aggregated variant too (the worker sets this itself only for prefill and decode workers).
-        "DYN_VLLM_SHM_WAIT_SLEEP_US": "100",
+        shm_wait.ENV: str(shm_wait.DEFAULT_SLEEP_US),
     }
     env.update(cfg.extra_env)
     return env

@@ -67,13 +67,13 @@ def tail_lines(path: Path, n: int = 20) -> str:
     return "\n".join(data.splitlines()[-n:])
 
 
-def _stat(pid: str) -> tuple[int, int, str] | None:
-    """(ppid, session id, state) of a process, None if it is gone."""
+def _stat(pid: str) -> tuple[int, int, str, int] | None:
+    """(ppid, session id, state, start time in clock ticks since boot) of a process, None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()
         fields = stat[stat.rindex(b")") + 2 :].split()
-        return int(fields[1]), int(fields[3]), fields[0].decode()
+        return int(fields[1]), int(fields[3]), fields[0].decode(), int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -123,15 +123,10 @@ def _cmdline(pid: int) -> str:
 
 
 def _start_time(pid: int) -> int | None:
-    """When the process started (clock ticks since boot): with the pid it names one process even if the pid is
-    reused later. None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        return None if fields[0] == b"Z" else int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    """When the process started: with the pid it names one process even if the pid is reused later. None if it
+    is gone (or a zombie)."""
+    st = _stat(str(pid))
+    return None if st is None or st[2] == "Z" else st[3]
 
 
 def _signal_group(pid: int, sig: int) -> None:
