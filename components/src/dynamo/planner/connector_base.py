@@ -3,6 +3,8 @@
 ``status()`` reports what the deployment runs per pool (``None`` = the connector cannot tell; the
 loop then uses the workers seen publishing) and whether the last action is done (``settled``).
 ``apply()`` asks for replica counts (``None`` = leave that pool alone) and returns without waiting.
+A connector that can tell more says, per pool, how many of those replicas are still starting (asked
+for, not yet serving), draining, and how many warm standbys it keeps outside the pool.
 """
 
 from __future__ import annotations
@@ -12,11 +14,29 @@ from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
+class PoolStatus:
+    """One pool's breakdown: ``starting`` replicas count in the pool's replicas, standbys do not."""
+
+    starting: int = 0
+    draining: int = 0
+    standby: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectorStatus:
     prefill: int | None = None
     decode: int | None = None
     settled: bool = True
     detail: str = ""
+    # None = the connector cannot tell the breakdown.
+    prefill_pool: PoolStatus | None = None
+    decode_pool: PoolStatus | None = None
+
+    def replicas(self, pool: str) -> int | None:
+        return self.prefill if pool == "prefill" else self.decode
+
+    def breakdown(self, pool: str) -> PoolStatus | None:
+        return self.prefill_pool if pool == "prefill" else self.decode_pool
 
 
 class Connector(Protocol):

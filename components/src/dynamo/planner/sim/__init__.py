@@ -1,0 +1,1 @@
+"""The planner on Dynamo's fleet simulator: ``python -m dynamo.planner simulate`` (docs/planner-evaluation.md)."""
