@@ -3,6 +3,7 @@
     python -m dynamo.planner [run] --namespace NS --connector virtual|local|kubernetes [options]
     python -m dynamo.planner replay FILE.jsonl [--config ...] [--json]
     python -m dynamo.planner config [--config ...]        # print the validated effective config
+    python -m dynamo.planner simulate --trace FILE [...]  # the planner on Dynamo's fleet simulator
 
 Exit codes: 0 ok, 2 bad configuration or arguments, 3 a service (NATS, etcd, Kubernetes) unreachable.
 """
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rp)
     cp = sub.add_parser("config", help="print the validated effective configuration as JSON")
     _common(cp)
+    from .sim.cli import add_parser as add_simulate
+
+    add_simulate(sub)
     return parser
 
 
@@ -268,7 +272,7 @@ async def run_planner(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("run", "replay", "config", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "replay", "config", "simulate", "-h", "--help"):
         argv.insert(0, "run")
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -280,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return EXIT_OK
+    if args.command == "simulate":
+        from .sim.cli import run as run_simulate
+
+        return run_simulate(args, cfg)
     if args.command == "replay":
         from .replay import run_replay
 

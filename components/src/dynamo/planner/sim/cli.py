@@ -1,0 +1,155 @@
+"""``python -m dynamo.planner simulate``: the planner on Dynamo's fleet simulator (docs/planner-evaluation.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Any, TextIO
+
+from ..config import ConfigError, PlannerConfig
+from .harness import SimSpec, simulate
+from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    sp: argparse.ArgumentParser = sub.add_parser(
+        "simulate", help="run the planner (or a static fleet) on Dynamo's fleet simulator"
+    )
+    sp.add_argument(
+        "--trace",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="Mooncake JSON-lines trace (repeatable)",
+    )
+    sp.add_argument("--config", help="planner config, as `run --config` takes it (file or inline JSON/YAML)")
+    sp.add_argument(
+        "--interval", type=float, dest="interval_s", help="seconds between decisions (default: 5)"
+    )
+    sp.add_argument("--target", choices=["throughput", "latency", "load", "sla"], help="scaling target")
+    sp.add_argument("--gpu-budget", type=int, help="GPUs for both pools together (default: none)")
+    for pool in ("prefill", "decode"):
+        sp.add_argument(
+            f"--{pool}-engine-args",
+            metavar="JSON",
+            help=f"mocker config of a {pool} engine, inline JSON or a file "
+            '(default: {"engine": {"num_gpu_blocks": 8192, "max_num_seqs": 64, "max_model_len": 16384}})',
+        )
+    sp.add_argument(
+        "--startup-time", type=float, metavar="S", help="seconds a new worker takes to serve (default: 60)"
+    )
+    sp.add_argument(
+        "--sla-ttft-ms", type=float, metavar="MS", help="TTFT bound (default: the config's sla.ttft_ms)"
+    )
+    sp.add_argument(
+        "--sla-itl-ms", type=float, metavar="MS", help="ITL bound (default: the config's sla.itl_ms)"
+    )
+    sp.add_argument(
+        "--static", metavar="P,D", help="a fixed fleet of P prefill and D decode workers, no planner"
+    )
+    sp.add_argument(
+        "--initial",
+        metavar="P,D",
+        help="planner runs: the fleet at the start (default: the pools' minimums, >= 1)",
+    )
+    sp.add_argument(
+        "--json",
+        action="store_true",
+        dest="json_stdout",
+        help="the summary as one JSON object, the last line",
+    )
+    sp.add_argument(
+        "--report", metavar="DIR", help="write report.html, summary.json, timeline.json, decisions.jsonl"
+    )
+    sp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return sp
+
+
+def build_spec(args: argparse.Namespace, cfg: PlannerConfig) -> SimSpec:
+    durations = [check_trace(t) for t in args.trace]
+    prefill = engine_args(
+        parse_json_arg(args.prefill_engine_args, "prefill-engine-args"), "prefill", args.startup_time
+    )
+    decode = engine_args(
+        parse_json_arg(args.decode_engine_args, "decode-engine-args"), "decode", args.startup_time
+    )
+    for what, v in (
+        ("sla-ttft-ms", args.sla_ttft_ms),
+        ("sla-itl-ms", args.sla_itl_ms),
+        ("startup-time", args.startup_time),
+    ):
+        if v is not None and (v < 0 or (v == 0 and what != "startup-time")):
+            raise SimInputError(f"{what}: must be {'>= 0' if what == 'startup-time' else '> 0'}, got {v:g}")
+    static = parse_fleet(args.static, "static") if args.static else None
+    if args.initial:
+        initial = parse_fleet(args.initial, "initial")
+    else:
+        initial = (max(cfg.prefill.min_replicas, 1), max(cfg.decode.min_replicas, 1))
+    return SimSpec(
+        traces=tuple(args.trace),
+        prefill_engine_args=prefill,
+        decode_engine_args=decode,
+        sla_ttft_ms=args.sla_ttft_ms if args.sla_ttft_ms is not None else cfg.sla.ttft_ms,
+        sla_itl_ms=args.sla_itl_ms if args.sla_itl_ms is not None else cfg.sla.itl_ms,
+        initial=initial,
+        static=static,
+        trace_duration_s=max(durations),
+    )
+
+
+def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
+    who = f"static {s['static'][0]}+{s['static'][1]}" if s["static"] else f"planner (target {cfg.target})"
+
+    def ms(key: str, digits: int) -> str:
+        return "/".join(
+            "-" if s[f"p{q}_{key}_ms"] is None else f"{s[f'p{q}_{key}_ms']:.{digits}f}" for q in (50, 90, 99)
+        )
+
+    rows = [
+        f"simulated {s['duration_s']:.0f} s, {who}; startup {s['startup_time_s']:g} s, "
+        f"SLA TTFT {s['sla_ttft_ms']:g} ms / ITL {s['sla_itl_ms']:g} ms",
+        f"  requests            {s['requests']} ({s['completed_requests']} completed)",
+        f"  SLA goodput         {s['goodput_pct']:.1f}% ({s['goodput_requests']} requests)",
+        f"  GPU-hours           {s['gpu_hours']:.3f} (prefill {s['prefill_worker_seconds']:.0f} s, "
+        f"decode {s['decode_worker_seconds']:.0f} s of workers)",
+        f"  TTFT p50/p90/p99    {ms('ttft', 0)} ms",
+        f"  ITL p50/p90/p99     {ms('itl', 1)} ms",
+        f"  scaling actions     {s['scaling_actions']} (prefill {s['actions']['prefill']}, "
+        f"decode {s['actions']['decode']}); direction flips {s['direction_flips']}",
+        f"  peak replicas       prefill {s['peak_replicas']['prefill']}, decode {s['peak_replicas']['decode']}",
+        f"  wall time           planner {s['planner_wall_s']:.2f} s ({s['planner_ticks']} decisions), "
+        f"simulator {s['simulator_wall_s']:.2f} s",
+    ]
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace, cfg: PlannerConfig, out: TextIO = sys.stdout) -> int:
+    """Exit 0, or 2 with one line on stderr for bad input."""
+    cfg = replace(cfg, json_stdout=False, tui=False, dry_run=False, use_model_cards=False)
+    try:
+        spec = build_spec(args, cfg)
+    except (SimInputError, ConfigError) as exc:
+        print(f"dynamo.planner simulate: error: {exc}", file=sys.stderr)
+        return 2
+    decisions = None
+    if args.report:
+        from pathlib import Path
+
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        decisions = str(Path(args.report) / "decisions.jsonl")
+        Path(decisions).unlink(missing_ok=True)
+    result = simulate(spec, cfg, decision_log=decisions, progress=not args.quiet)
+    summary = result["summary"]
+    if args.report:
+        from .report import write_report
+
+        html = write_report(result, args.report)
+        summary = dict(summary, report=str(html))
+        print(f"simulate: report {html}", file=sys.stderr)
+    if args.json_stdout:
+        out.write(json.dumps(summary, separators=(",", ":")) + "\n")
+    else:
+        out.write(render_table(summary, cfg) + "\n")
+    return 0

@@ -1,0 +1,327 @@
+"""Run the planner's own loop (book, policy, decision log) on Dynamo's fleet simulator.
+
+The simulator (``dynamo._core.run_mocker_trace_replay``, virtual clock) calls :class:`PlannerPolicy`
+through its ``scaling_policy`` hook. Each tick's snapshot becomes FPM records fed to
+``Planner.on_record`` and a connector status, ``Planner.tick()`` decides and acts through the
+:class:`~.connector.SimulatorConnector`, and the targets go back to the simulator. ``--static`` runs
+the same traces on a fixed fleet with no planner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
+
+from dynamo.common.fpm_tracker import TrackedWorker, WorkerKey
+
+from ..config import PlannerConfig
+from ..decision_log import DecisionLog
+from ..loop import Planner
+from .connector import POOLS, SimCardSource, SimulatorConnector, engine_capacity
+from .records import to_record
+from .stats import direction_flips, percentile
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """One simulated run: traces, normalized engine args per pool, SLA bounds and the fleet."""
+
+    traces: tuple[str, ...]
+    prefill_engine_args: Mapping[str, Any]
+    decode_engine_args: Mapping[str, Any]
+    sla_ttft_ms: float
+    sla_itl_ms: float
+    initial: tuple[int, int] = (1, 1)
+    static: tuple[int, int] | None = None
+    trace_duration_s: float = 0.0
+
+    @property
+    def startup_time_s(self) -> float:
+        return float(self.decode_engine_args.get("startup_time") or 0.0)
+
+
+@dataclass
+class _Run:
+    ticks: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    planner_wall_s: float = 0.0
+
+
+class PlannerPolicy:
+    """The simulator's scaling-policy hook around one :class:`~dynamo.planner.loop.Planner`."""
+
+    def __init__(
+        self,
+        cfg: PlannerConfig,
+        spec: SimSpec,
+        *,
+        decision_log: str | None = None,
+        progress: Callable[[float, Mapping[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.connector = SimulatorConnector()
+        self.now = 0.0
+        cards = {
+            "prefill": SimCardSource(self.connector, "prefill", engine_capacity(spec.prefill_engine_args)),
+            "decode": SimCardSource(self.connector, "decode", engine_capacity(spec.decode_engine_args)),
+        }
+        self.log = DecisionLog(decision_log) if decision_log else None
+        self.planner = Planner(
+            cfg, self.connector, clock=self._clock, wall=self._clock, log=self.log, cards=cards
+        )
+        self.loop = asyncio.new_event_loop()
+        self.run = _Run()
+        self.targets = dict(zip(POOLS, spec.initial, strict=True))
+        self._counters: dict[tuple[str, str], int] = {}
+        self._components = {"prefill": cfg.prefill_component, "decode": cfg.decode_component}
+        self._progress = progress
+
+    def _clock(self) -> float:
+        return self.now
+
+    def initial_tick_ms(self) -> float:
+        # As live: the first decision comes one interval after the start.
+        return self.cfg.interval_s * 1000.0
+
+    def on_tick(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.now = float(snapshot["now_ms"]) / 1000.0
+        self.connector.snapshot = snapshot
+        queued = self._feed(snapshot)
+        decision = self.loop.run_until_complete(self.planner.tick())
+        sent = self.connector.take_targets()
+        row: dict[str, Any] = {"t_s": round(self.now, 3)}
+        for pool in POOLS:
+            active, starting, draining = self.connector.counts(pool)
+            target = sent[pool]
+            if target is not None and target != self.targets[pool]:
+                self.run.actions.append(
+                    {
+                        "t_s": round(self.now, 3),
+                        "pool": pool,
+                        "from": self.targets[pool],
+                        "to": target,
+                        "reason": decision.pool(pool).reason,
+                    }
+                )
+                self.targets[pool] = target
+            row[pool] = {
+                "active": active,
+                "starting": starting,
+                "draining": draining,
+                "desired": self.targets[pool],
+                "queued_prefill_tokens": queued[pool][0],
+                "queued_decode_kv_tokens": queued[pool][1],
+            }
+        self.run.ticks.append(row)
+        self.run.planner_wall_s += time.perf_counter() - t0
+        if self._progress is not None:
+            self._progress(self.now, row)
+        return {
+            "target_prefill": sent["prefill"],
+            "target_decode": sent["decode"],
+            "next_tick_ms": float(snapshot["now_ms"]) + self.cfg.interval_s * 1000.0,
+        }
+
+    def _feed(self, snapshot: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+        """Every engine's snapshot -> a record through ``Planner.on_record``; returns queued totals."""
+        out: dict[str, tuple[int, int]] = {}
+        endpoint = self.cfg.endpoint
+        for pool in POOLS:
+            q_prefill = q_decode = 0
+            component = self._components[pool]
+            for snap in snapshot.get(f"{pool}_fpm_snapshots", ()):
+                ckey = (pool, str(snap["worker_id"]))
+                n = self._counters.get(ckey, 0) + 1
+                self._counters[ckey] = n
+                record = to_record(snap, n)
+                key = WorkerKey(component, endpoint, record.worker_id, record.dp_rank)
+                worker = TrackedWorker(key, record, self.now, int(self.now * 1000), None, records=n)
+                self.planner.on_record(worker)
+                q_prefill += record.queued_requests.sum_prefill_tokens
+                q_decode += record.queued_requests.sum_decode_kv_tokens
+            out[pool] = (q_prefill, q_decode)
+        return out
+
+    def close(self) -> None:
+        self.loop.close()
+        if self.log is not None:
+            self.log.close()
+
+
+def _replay(spec: SimSpec, fleet: tuple[int, int], policy: Any, telemetry_ms: float | None) -> Any:
+    from dynamo._core import run_mocker_trace_replay
+
+    return run_mocker_trace_replay(
+        list(spec.traces),
+        prefill_engine_args=dict(spec.prefill_engine_args),
+        decode_engine_args=dict(spec.decode_engine_args),
+        num_prefill_workers=fleet[0],
+        num_decode_workers=fleet[1],
+        sla_ttft_ms=spec.sla_ttft_ms,
+        sla_itl_ms=spec.sla_itl_ms,
+        scaling_policy=policy,
+        capture_per_request=True,
+        capture_telemetry=telemetry_ms is not None,
+        telemetry_sample_interval_ms=telemetry_ms or 1000.0,
+        trace_format="mooncake",
+    )
+
+
+def _static_ticks(result: Any, fleet: tuple[int, int]) -> list[dict[str, Any]]:
+    tel = result.telemetry or {"samples": []}
+    rows = []
+    for s in tel["samples"]:
+        row: dict[str, Any] = {"t_s": round(float(s["sampled_at_ms"]) / 1000.0, 3)}
+        for i, pool in enumerate(POOLS):
+            metrics = s.get(f"{pool}_scheduler_metrics", [])
+            row[pool] = {
+                "active": len(s.get(f"active_{pool}_ids", [])),
+                "starting": len(s.get(f"starting_{pool}_ids", [])),
+                "draining": len(s.get(f"draining_{pool}_ids", [])),
+                "desired": fleet[i],
+                # The simulator's telemetry counts waiting requests, not their tokens.
+                "queued_prefill_tokens": None,
+                "queued_decode_kv_tokens": None,
+                "waiting_requests": sum(int(m.get("waiting_requests", 0)) for m in metrics),
+            }
+        rows.append(row)
+    return rows
+
+
+def _requests(per_request: Sequence[Mapping[str, Any]] | None, spec: SimSpec) -> list[dict[str, Any]]:
+    out = []
+    for r in per_request or ():
+        ttft, itl = r.get("ttft_ms"), r.get("itl_ms")
+        ok = ttft is not None and ttft <= spec.sla_ttft_ms and (itl is None or itl <= spec.sla_itl_ms)
+        out.append(
+            {
+                "arrival_s": round(float(r.get("arrival_time_ms") or 0.0) / 1000.0, 3),
+                "ttft_ms": ttft,
+                "itl_ms": itl,
+                "ok": ok,
+            }
+        )
+    out.sort(key=lambda r: r["arrival_s"])
+    return out
+
+
+def summarize(
+    spec: SimSpec,
+    sim: Mapping[str, Any],
+    requests: Sequence[Mapping[str, Any]],
+    actions: Sequence[Mapping[str, Any]],
+    ticks: Sequence[Mapping[str, Any]],
+    *,
+    wall_s: float,
+    planner_wall_s: float,
+) -> dict[str, Any]:
+    """The ``--json`` object: the simulator's outcome and what the planner did to get it."""
+    n = int(sim.get("num_requests", 0))
+    good = int(sim.get("goodput_completed_requests", 0))
+    ttfts = [float(r["ttft_ms"]) for r in requests if r.get("ttft_ms") is not None]
+    itls = [float(r["itl_ms"]) for r in requests if r.get("itl_ms") is not None]
+    per_pool_actions = {p: sum(1 for a in actions if a["pool"] == p) for p in POOLS}
+    flips = {p: direction_flips([(a["from"], a["to"]) for a in actions if a["pool"] == p]) for p in POOLS}
+    peak = {p: max((t[p]["active"] + t[p]["starting"] for t in ticks), default=0) for p in POOLS}
+    out: dict[str, Any] = {
+        "mode": "static" if spec.static is not None else "planner",
+        "static": list(spec.static) if spec.static is not None else None,
+        "initial": list(spec.static or spec.initial),
+        "startup_time_s": spec.startup_time_s,
+        "sla_ttft_ms": spec.sla_ttft_ms,
+        "sla_itl_ms": spec.sla_itl_ms,
+        "requests": n,
+        "completed_requests": int(sim.get("completed_requests", 0)),
+        "goodput_requests": good,
+        "goodput_pct": round(100.0 * good / n, 2) if n else 0.0,
+        "gpu_hours": round(float(sim.get("gpu_hours", 0.0)), 5),
+        "prefill_worker_seconds": round(float(sim.get("prefill_worker_seconds", 0.0)), 1),
+        "decode_worker_seconds": round(float(sim.get("decode_worker_seconds", 0.0)), 1),
+        "duration_s": round(float(sim.get("duration_ms", 0.0)) / 1000.0, 3),
+        "scaling_actions": sum(per_pool_actions.values()),
+        "direction_flips": sum(flips.values()),
+        "actions": per_pool_actions,
+        "flips": flips,
+        "peak_replicas": peak,
+        "planner_ticks": len(ticks) if spec.static is None else 0,
+        "planner_wall_s": round(planner_wall_s, 3),
+        "simulator_wall_s": round(max(wall_s - planner_wall_s, 0.0), 3),
+    }
+    for q in (50, 90, 99):
+        out[f"p{q}_ttft_ms"] = round(percentile(ttfts, q), 2) if ttfts else None
+        out[f"p{q}_itl_ms"] = round(percentile(itls, q), 3) if itls else None
+    return out
+
+
+class Progress:
+    """A progress line on stderr every few wall seconds, for runs longer than that."""
+
+    def __init__(self, total_s: float, out: TextIO = sys.stderr, every_s: float = 3.0) -> None:
+        self.total_s = total_s
+        self.out = out
+        self.every_s = every_s
+        self.started = time.monotonic()
+        self.last = self.started
+
+    def __call__(self, now: float, row: Mapping[str, Any]) -> None:
+        t = time.monotonic()
+        if t - self.last < self.every_s:
+            return
+        self.last = t
+        pools = ", ".join(
+            f"{p} {row[p]['active']}" + (f" (+{row[p]['starting']} starting)" if row[p]["starting"] else "")
+            for p in POOLS
+        )
+        total = f"/{self.total_s:.0f}" if self.total_s else ""
+        self.out.write(f"simulate: {now:.0f}{total} s simulated, {pools}; {t - self.started:.1f} s wall\n")
+        self.out.flush()
+
+
+def simulate(
+    spec: SimSpec,
+    cfg: PlannerConfig | None,
+    *,
+    decision_log: str | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """One run (planner, or ``spec.static``); returns ``{"summary", "ticks", "actions", "requests"}``."""
+    t0 = time.perf_counter()
+    if spec.static is not None:
+        fleet = spec.static
+        interval = cfg.interval_s if cfg is not None else 5.0
+        result = _replay(spec, fleet, None, interval * 1000.0)
+        run = _Run(ticks=_static_ticks(result, fleet))
+    else:
+        if cfg is None:
+            raise ValueError("a planner run needs a PlannerConfig")
+        # The planner's SLA targets are the simulator's goodput bounds.
+        cfg = replace(cfg, sla=replace(cfg.sla, ttft_ms=spec.sla_ttft_ms, itl_ms=spec.sla_itl_ms))
+        policy = PlannerPolicy(
+            cfg,
+            spec,
+            decision_log=decision_log,
+            progress=Progress(spec.trace_duration_s) if progress else None,
+        )
+        try:
+            result = _replay(spec, spec.initial, policy, None)
+        finally:
+            policy.close()
+        run = policy.run
+    wall = time.perf_counter() - t0
+    requests = _requests(result.per_request, spec)
+    summary = summarize(
+        spec,
+        result.summary,
+        requests,
+        run.actions,
+        run.ticks,
+        wall_s=wall,
+        planner_wall_s=run.planner_wall_s,
+    )
+    return {"summary": summary, "ticks": run.ticks, "actions": run.actions, "requests": requests}

@@ -1,0 +1,120 @@
+"""Checked inputs of ``simulate``: Mooncake traces, mocker engine args, ``P,D`` fleet sizes.
+
+Every problem raises :class:`SimInputError` with one line naming the file, line or key, so the command
+exits 2 before the simulator starts (the simulator's own errors are longer and later).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# The engine pair of docs/planner-evaluation.md: 8192 blocks of 64 tokens, 64 sequences, 16k context.
+DEFAULT_ENGINE: dict[str, Any] = {"num_gpu_blocks": 8192, "max_num_seqs": 64, "max_model_len": 16384}
+DEFAULT_STARTUP_S = 60.0
+
+
+class SimInputError(ValueError):
+    """Bad input for ``simulate``; the message names the problem in one line."""
+
+
+def check_trace(path: str) -> float:
+    """Validate a Mooncake JSON-lines trace; returns its last arrival time in seconds."""
+    p = Path(path)
+    if not p.is_file():
+        raise SimInputError(f"trace {path}: no such file")
+    last_ms = 0.0
+    count = 0
+    try:
+        with p.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as exc:
+                    raise SimInputError(f"trace {path} line {n}: not JSON ({exc.msg})") from None
+                _check_request(obj, f"trace {path} line {n}")
+                last_ms = max(last_ms, float(obj["timestamp"]))
+                count += 1
+    except UnicodeDecodeError as exc:
+        raise SimInputError(f"trace {path}: not UTF-8 text ({exc.reason})") from None
+    if count == 0:
+        raise SimInputError(f"trace {path}: no requests")
+    return last_ms / 1000.0
+
+
+def _check_request(obj: Any, where: str) -> None:
+    if not isinstance(obj, dict):
+        raise SimInputError(f"{where}: expected a JSON object")
+    ts = obj.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+        raise SimInputError(f"{where}: timestamp must be a non-negative number of milliseconds")
+    for key in ("input_length", "output_length"):
+        v = obj.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise SimInputError(f"{where}: {key} must be a positive integer")
+    ids = obj.get("hash_ids")
+    if ids is not None and (
+        not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
+        raise SimInputError(f"{where}: hash_ids must be a list of integers")
+
+
+def parse_json_arg(text: str | None, what: str) -> dict[str, Any]:
+    """Inline JSON, or the path of a JSON file."""
+    if text is None:
+        return {}
+    raw = text
+    if not text.lstrip().startswith("{"):
+        p = Path(text)
+        if not p.is_file():
+            raise SimInputError(f"{what}: neither inline JSON nor a readable file: {text!r}")
+        raw = p.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise SimInputError(f"{what}: not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise SimInputError(f"{what}: expected a JSON object")
+    return obj
+
+
+def engine_args(given: Mapping[str, Any], pool: str, startup_s: float | None) -> dict[str, Any]:
+    """The mocker's normalized config for one pool (unknown keys rejected by the mocker itself)."""
+    from dynamo._core import _normalize_mocker_config
+
+    what = f"{pool}-engine-args"
+    args = json.loads(json.dumps(given))  # a deep copy
+    engine = args.setdefault("engine", {})
+    if not isinstance(engine, dict):
+        raise SimInputError(f"{what}: engine must be a JSON object")
+    for k, v in DEFAULT_ENGINE.items():
+        engine.setdefault(k, v)
+    kind = engine.setdefault("worker_type", pool)
+    if kind != pool:
+        raise SimInputError(f"{what}: engine.worker_type is {kind!r}, this pool is {pool!r}")
+    if startup_s is not None:
+        args["startup_time"] = startup_s
+    args.setdefault("startup_time", DEFAULT_STARTUP_S)
+    try:
+        return dict(_normalize_mocker_config(args))
+    except ValueError as exc:
+        raise SimInputError(f"{what}: {str(exc).splitlines()[0]}") from None
+
+
+def parse_fleet(text: str, what: str) -> tuple[int, int]:
+    """``P,D`` -> (P, D), both whole numbers >= 0 and not both 0."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        p, d = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise SimInputError(f"{what}: expected P,D (two whole numbers), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise SimInputError(f"{what}: a disaggregated fleet needs at least one worker per pool, got {text!r}")
+    return p, d

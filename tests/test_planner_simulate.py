@@ -1,0 +1,206 @@
+"""``python -m dynamo.planner simulate``: the planner's own loop on Dynamo's fleet simulator (real runtime)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dynamo._core import run_mocker_trace_replay
+from dynamo.planner.config import PlannerConfig
+from dynamo.planner.sim.harness import PlannerPolicy, SimSpec, simulate
+from dynamo.planner.sim.inputs import engine_args
+from dynamo.planner.sim.scenarios import SCENARIOS, Phase, Scenario, requests, write_trace
+from dynamo.planner.sim.stats import direction_flips, percentile
+
+pytestmark = pytest.mark.runtime
+
+JSON_KEYS = {
+    "requests",
+    "goodput_requests",
+    "gpu_hours",
+    "p90_ttft_ms",
+    "p90_itl_ms",
+    "scaling_actions",
+    "direction_flips",
+}
+
+
+def _spec(trace: Path, **kw: object) -> SimSpec:
+    args = {
+        "traces": (str(trace),),
+        "prefill_engine_args": engine_args({}, "prefill", kw.pop("startup", 60.0)),  # type: ignore[arg-type]
+        "decode_engine_args": engine_args({}, "decode", 60.0),
+        "sla_ttft_ms": 2000.0,
+        "sla_itl_ms": 50.0,
+    }
+    args.update(kw)
+    return SimSpec(**args)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def decode_shift(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_trace("decode-shift", tmp_path_factory.mktemp("sim") / "decode-shift.jsonl")
+
+
+def _engine(worker_id: int, **fields: float) -> dict[str, float]:
+    snap = {"worker_id": worker_id, "dp_rank": 0, "wall_time": 0.02}
+    snap.update(fields)
+    return snap  # type: ignore[return-value]
+
+
+def _snapshot(now_ms: float, prefill: list[dict[str, float]], decode: list[dict[str, float]]) -> dict:
+    snap: dict = {"now_ms": now_ms, "prefill_fpm_snapshots": prefill, "decode_fpm_snapshots": decode}
+    for pool, engines in (("prefill", prefill), ("decode", decode)):
+        snap[f"active_{pool}_count"] = len(engines)
+        snap[f"active_{pool}_ids"] = [e["worker_id"] for e in engines]
+        snap[f"starting_{pool}_count"] = 0
+        snap[f"draining_{pool}_count"] = 0
+    return snap
+
+
+def test_snapshot_becomes_records_a_decision_and_a_target(tmp_path: Path) -> None:
+    trace = write_trace(Scenario("one", "", (Phase(1, 5, 100, 10),)), tmp_path / "t.jsonl")
+    policy = PlannerPolicy(PlannerConfig(), _spec(trace))
+    try:
+        assert policy.initial_tick_ms() == 5000.0
+        # decode holds 1.3x its KV (8192 blocks x 64 tokens): overloaded; prefill idle.
+        kv = int(8192 * 64 * 1.3)
+        out = policy.on_tick(
+            _snapshot(
+                5000.0,
+                [_engine(0)],
+                [_engine(0, num_decode_requests=40, sum_decode_kv_tokens=kv)],
+            )
+        )
+    finally:
+        policy.close()
+    assert out["target_decode"] is not None and out["target_decode"] > 1
+    assert out["target_prefill"] in (None, 1)
+    assert out["next_tick_ms"] == 10000.0
+    book = policy.planner.book
+    # The records went through the planner's book under the live component names, capacity from the engine args.
+    obs = book.observe(5.0)
+    assert [e.worker_id for e in obs.decode.engines] == ["sim-0"]
+    assert obs.decode.engines[0].capacity.kv_tokens == 8192 * 64
+    assert obs.decode.engines[0].capacity.source == "card"
+    [action] = policy.run.actions
+    assert action["pool"] == "decode" and action["from"] == 1 and "decode" in action["reason"]
+
+
+def test_a_decode_shift_scales_decode_and_not_prefill(decode_shift: Path) -> None:
+    result = simulate(_spec(decode_shift), PlannerConfig())
+    s = result["summary"]
+    assert s["actions"]["prefill"] == 0
+    assert s["actions"]["decode"] >= 1
+    assert all(a["pool"] == "decode" for a in result["actions"])
+    up = next(a for a in result["actions"] if a["to"] > a["from"])
+    assert up["t_s"] >= 120.0  # the outputs grow at 120 s
+    static = simulate(_spec(decode_shift, static=(1, 1)), None)["summary"]
+    assert s["goodput_pct"] > static["goodput_pct"]
+    # Every tick is on the timeline, with the fleet the simulator reported.
+    assert len(result["ticks"]) == s["planner_ticks"] > 100
+    assert max(t["decode"]["active"] for t in result["ticks"]) == s["peak_replicas"]["decode"]
+
+
+def test_static_equals_a_plain_simulator_run(decode_shift: Path) -> None:
+    spec = _spec(decode_shift, static=(2, 1))
+    ours = simulate(spec, None)["summary"]
+    plain = run_mocker_trace_replay(
+        [str(decode_shift)],
+        prefill_engine_args=dict(spec.prefill_engine_args),
+        decode_engine_args=dict(spec.decode_engine_args),
+        num_prefill_workers=2,
+        num_decode_workers=1,
+        sla_ttft_ms=2000.0,
+        sla_itl_ms=50.0,
+    ).summary
+    assert ours["requests"] == plain["num_requests"]
+    assert ours["goodput_requests"] == plain["goodput_completed_requests"]
+    assert ours["gpu_hours"] == pytest.approx(plain["gpu_hours"], abs=1e-5)
+    assert ours["p90_ttft_ms"] == pytest.approx(plain["p90_ttft_ms"], rel=1e-3)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo.planner", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_json_contract_and_table(tmp_path: Path) -> None:
+    trace = write_trace(Scenario("short", "", (Phase(60, 3, 1000, 200),)), tmp_path / "t.jsonl")
+    done = _cli("--trace", str(trace), "--json", "--sla-ttft-ms", "2000", "--static", "1,1")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary.keys() >= JSON_KEYS
+    assert summary["requests"] == sum(1 for _ in trace.open())
+    assert summary["mode"] == "static" and summary["sla_ttft_ms"] == 2000.0
+    done = _cli("--trace", str(trace), "--startup-time", "0", "--config", '{"interval_s": 2}')
+    assert done.returncode == 0, done.stderr
+    assert "SLA goodput" in done.stdout and "planner (target throughput)" in done.stdout
+    assert "startup 0 s" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace", "{missing}"], "no such file"),
+        (["--trace", "{bad}"], "line 2: output_length must be a positive integer"),
+        (["--trace", "{garbage}"], "line 1: not JSON"),
+        (["--trace", "{ok}", "--decode-engine-args", "{nope"], "decode-engine-args: not valid JSON"),
+        (["--trace", "{ok}", "--prefill-engine-args", '{"engine": {"bogus": 1}}'], "unknown field `bogus`"),
+        (
+            ["--trace", "{ok}", "--prefill-engine-args", '{"engine": {"worker_type": "decode"}}'],
+            "worker_type",
+        ),
+        (["--trace", "{ok}", "--static", "2"], "static: expected P,D"),
+        (["--trace", "{ok}", "--sla-itl-ms", "0"], "sla-itl-ms: must be > 0"),
+        (["--trace", "{ok}", "--config", '{"bogus": 1}'], "bogus: unknown option"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1, 2]}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(ok.read_text() + '{"timestamp": 5, "input_length": 100, "output_length": -1}\n')
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("{not json\n")
+    paths = {"missing": tmp_path / "nope.jsonl", "bad": bad, "garbage": garbage, "ok": ok}
+    done = _cli(*(str(paths[a[1:-1]]) if a[1:-1] in paths else a for a in args))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert done.stdout == ""
+
+
+def test_scenarios_are_seeded_and_cover_the_suite(tmp_path: Path) -> None:
+    wanted = {
+        "decode-shift",
+        "prompt-burst",
+        "ramp",
+        "idle-gap",
+        "flash-crowd",
+        "opposite-shift",
+        "slow-wave",
+    }
+    assert wanted <= SCENARIOS.keys() and "fleet-scale" in SCENARIOS
+    a = write_trace("slow-wave", tmp_path / "a.jsonl", seed=3).read_bytes()
+    assert a == write_trace("slow-wave", tmp_path / "b.jsonl", seed=3).read_bytes()
+    assert a != write_trace("slow-wave", tmp_path / "c.jsonl", seed=4).read_bytes()
+    reqs = list(requests(SCENARIOS["idle-gap"]))
+    gap = [r for r in reqs if 150_000 <= float(r["timestamp"]) < 330_000]  # type: ignore[arg-type]
+    assert not gap and len(reqs) > 800
+    ids = [i for r in reqs for i in r["hash_ids"]]  # type: ignore[attr-defined]
+    assert len(ids) == len(set(ids))  # no prefix reuse
+
+
+def test_stats() -> None:
+    assert direction_flips([]) == 0
+    assert direction_flips([(1, 2), (2, 4), (4, 3), (3, 5), (5, 5)]) == 2
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
