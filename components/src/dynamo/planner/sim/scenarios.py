@@ -92,8 +92,8 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "fleet-scale",
-            "a fleet of tens of engines per pool: 40 -> 120 -> 40 req/s, ISL 6000, OSL 400",
-            (Phase(120, 40, 6000, 400), Phase(240, 120, 6000, 400), Phase(180, 40, 6000, 400)),
+            "a fleet of 32-64 engines per pool at the peak: 60 -> 200 -> 60 req/s, ISL 6000, OSL 400",
+            (Phase(120, 60, 6000, 400), Phase(240, 200, 6000, 400), Phase(180, 60, 6000, 400)),
         ),
     )
 }
