@@ -55,3 +55,36 @@ bench: setup
 
 clean-venv:
 	rm -rf $(VENV) .cache
+
+# Upstream Dynamo 1.6.1's own planner on the same fleet simulator, for comparison with ours
+# (benchmarks/upstream_planner/README.md). An isolated venv: the wheel ships packages with our names,
+# so it never goes near $(VENV). Its own copy of the wheel is unpacked (not installed) and put on
+# sys.path by a .pth file, with import-only stand-ins for aisimulate / aisimulate_core.
+UPSTREAM_PLANNER_PYTHON ?= python3.11
+UPSTREAM_PLANNER_DIR := .cache/upstream-planner
+UPSTREAM_PLANNER_VENV := $(UPSTREAM_PLANNER_DIR)/venv
+UPSTREAM_PLANNER_WHEEL := $(UPSTREAM_PLANNER_DIR)/ai-dynamo-1.6.1
+UPSTREAM_PLANNER_REQS := benchmarks/upstream_planner/requirements.txt
+UPSTREAM_PLANNER_STAMP := $(UPSTREAM_PLANNER_VENV)/.installed-$(shell cat $(UPSTREAM_PLANNER_REQS) 2>/dev/null | sha1sum | cut -c1-12)
+
+.PHONY: upstream-planner-env
+upstream-planner-env: $(UPSTREAM_PLANNER_STAMP)
+
+$(UPSTREAM_PLANNER_STAMP): $(UPSTREAM_PLANNER_REQS)
+	@test -x $(UPSTREAM_PLANNER_VENV)/bin/python || $(UPSTREAM_PLANNER_PYTHON) -m venv $(UPSTREAM_PLANNER_VENV)
+	$(UPSTREAM_PLANNER_VENV)/bin/python -m pip install -q --upgrade pip
+	@echo ">> installing upstream's planner dependencies into $(UPSTREAM_PLANNER_VENV) (first time: 1-3 min)"
+	$(UPSTREAM_PLANNER_VENV)/bin/python -m pip install -q -r $(UPSTREAM_PLANNER_REQS)
+	@if [ ! -d $(UPSTREAM_PLANNER_WHEEL)/ai_dynamo-1.6.1.dist-info ]; then \
+		set -e; rm -rf $(UPSTREAM_PLANNER_WHEEL); mkdir -p $(UPSTREAM_PLANNER_WHEEL); \
+		echo "$(UPSTREAM_PLANNER_VENV)/bin/python -m pip download -q --no-deps ai-dynamo==1.6.1 -d $(UPSTREAM_PLANNER_WHEEL)"; \
+		$(UPSTREAM_PLANNER_VENV)/bin/python -m pip download -q --no-deps ai-dynamo==1.6.1 -d $(UPSTREAM_PLANNER_WHEEL); \
+		cd $(UPSTREAM_PLANNER_WHEEL) && $(abspath $(UPSTREAM_PLANNER_VENV))/bin/python -m zipfile -e ai_dynamo-1.6.1-py3-none-any.whl . \
+			&& rm -f ai_dynamo-1.6.1-py3-none-any.whl; \
+	fi
+	@site=$$($(UPSTREAM_PLANNER_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		printf '%s\n' "$(abspath $(UPSTREAM_PLANNER_WHEEL))" "$(abspath benchmarks/upstream_planner/standins)" \
+			> "$$site/upstream-dynamo-1.6.1.pth" && echo ">> wrote $$site/upstream-dynamo-1.6.1.pth"
+	$(UPSTREAM_PLANNER_VENV)/bin/python -I -c 'import dynamo._core, dynamo.replay.planner, dynamo.planner.offline.replay_adapter'
+	@rm -f $(UPSTREAM_PLANNER_VENV)/.installed-*
+	@touch $@

@@ -22,18 +22,25 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Per-engine load signals: scale up when any engine is above ``*_up``, down when all are below ``*_down``."""
+    """Per-engine load signals: scale up when any engine is above ``*_up``, down when all are below ``*_down``.
+
+    ``*_target``: the utilisation one engine is sized for when the pool's demand is turned into a
+    replica count (proportional sizing, docs/planner.md).
+    """
 
     prefill_up: float = 1.0
     prefill_down: float = 0.1
     decode_up: float = 1.0
     decode_down: float = 0.6
+    prefill_target: float = 0.9
+    decode_target: float = 0.85
 
 
-# Upstream's static presets; "latency" reacts earlier and keeps more headroom.
+# Up/down thresholds: upstream Dynamo 1.6.1's load-based presets (dynamo/planner/core/load_scaling.py),
+# same values. The *_target utilisations are ours (upstream steps one replica at a time).
 PRESETS: dict[str, Thresholds] = {
-    "throughput": Thresholds(1.0, 0.1, 1.0, 0.6),
-    "latency": Thresholds(0.5, 0.05, 0.8, 0.4),
+    "throughput": Thresholds(1.0, 0.1, 1.0, 0.6, 0.9, 0.85),
+    "latency": Thresholds(0.1, 0.0, 0.4, 0.1, 0.6, 0.5),
 }
 
 
@@ -133,6 +140,18 @@ class PlannerConfig:
     idle_window_s: float = 30.0
     # An action not completed by then is abandoned: the planner accepts what is running and moves on.
     action_timeout_s: float = 300.0
+    # Proportional sizing: at most this many replicas added by one action (None = no cap) ...
+    max_scale_up_step: int | None = None
+    # ... and at most this many removed by one scale-down.
+    scale_down_step: int = 1
+    # Demand samples kept for the trend (its slope times the startup time is the growth sized for).
+    trend_window_s: float = 60.0
+    # The projected growth is at most this many times today's demand.
+    projection_cap: float = 1.0
+    # Startup assumed until measured (seconds from a scale-up to the new replica's first record).
+    expected_startup_s: float = 60.0
+    # Prefill: the backlog expected when new replicas are ready is sized to drain in this long.
+    prefill_drain_s: float = 60.0
     # A worker that published nothing for this long is dropped.
     stale_after_s: float = 5.0
     # Observed workers != replicas: hold this long, then decide with missing workers counted against change.
@@ -233,6 +252,13 @@ def _check(cfg: PlannerConfig) -> None:
     for key in ("scale_down_window_s", "idle_window_s", "mismatch_grace_s", "warmup_s"):
         positive(key, getattr(cfg, key), allow_zero=True)
     positive("action_timeout_s", cfg.action_timeout_s)
+    if cfg.max_scale_up_step is not None:
+        positive("max_scale_up_step", cfg.max_scale_up_step)
+    positive("scale_down_step", cfg.scale_down_step)
+    positive("trend_window_s", cfg.trend_window_s, allow_zero=True)
+    positive("projection_cap", cfg.projection_cap, allow_zero=True)
+    positive("expected_startup_s", cfg.expected_startup_s, allow_zero=True)
+    positive("prefill_drain_s", cfg.prefill_drain_s)
     positive("stale_after_s", cfg.stale_after_s)
     positive("warmup_records", cfg.warmup_records, allow_zero=True)
     if not 0 < cfg.consolidation_headroom <= 1:
@@ -259,6 +285,9 @@ def _check(cfg: PlannerConfig) -> None:
         up, down = getattr(th, f"{pool}_up"), getattr(th, f"{pool}_down")
         if not 0 <= down < up:
             raise ConfigError(f"thresholds.{pool}_down: must be >= 0 and below {pool}_up ({down} vs {up})")
+        target = getattr(th, f"{pool}_target")
+        if not 0 < target <= 1:
+            raise ConfigError(f"thresholds.{pool}_target: must be in (0, 1], got {target}")
     for key in ("ttft_ms", "itl_ms"):
         positive(f"sla.{key}", getattr(cfg.sla, key))
     if not 0 < cfg.sla.headroom <= 1:

@@ -14,7 +14,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from .config import PlannerConfig
@@ -22,10 +21,16 @@ from .connector_base import Connector, ConnectorStatus
 from .decision_log import DecisionLog, lines
 from .metrics import PlannerMetrics
 from .observations import WorkerBook
-from .policy import Decision, PolicyState, decide
+from .policy import POOLS, Decision, PolicyState, PoolName, decide, sent_now, settle
 from .tui import CLEAR, render
 
 logger = logging.getLogger(__name__)
+
+
+def _target(state: PolicyState, decision: Decision, pool: PoolName) -> int:
+    """What the connector is asked for: the pool's new or pending target, else what it runs."""
+    fl = state.pool(pool).in_flight
+    return fl.target if fl is not None else decision.pool(pool).current
 
 
 class Planner:
@@ -97,20 +102,24 @@ class Planner:
             logger.warning("connector status failed: %r", exc)
             status = ConnectorStatus(settled=False, detail=f"status failed: {exc!r}"[:200])
         self.last_status = status
+        pb, db = status.breakdown("prefill"), status.breakdown("decode")
         obs = self.book.observe(
-            now, prefill_replicas=status.prefill, decode_replicas=status.decode, settled=status.settled
+            now,
+            prefill_replicas=status.prefill,
+            decode_replicas=status.decode,
+            settled=status.settled,
+            prefill_starting=None if pb is None else pb.starting,
+            decode_starting=None if db is None else db.starting,
         )
         t0 = time.perf_counter()
         decision, state = decide(obs, self.state, self.cfg)
         spent = time.perf_counter() - t0
         applied = {"prefill": False, "decode": False}
-        new = {p: state.pool(p).in_flight for p in ("prefill", "decode")}
-        fresh = [p for p, fl in new.items() if fl is not None and fl.since == now]
+        fresh = sent_now(state, now)
         if self.cfg.dry_run:
-            # Nothing will happen: do not wait for it.
-            state = PolicyState(*(replace(state.pool(p), in_flight=None) for p in ("prefill", "decode")))
+            state = settle(state, dry_run=True)  # nothing will happen: do not wait for it
         elif fresh:
-            target = {p: (new[p].target if new[p] is not None else decision.pool(p).current) for p in new}  # type: ignore[union-attr]
+            target = {p: _target(state, decision, p) for p in POOLS}
             try:
                 await self.connector.apply(target["prefill"], target["decode"])
                 self.commands.append((now, target["prefill"], target["decode"]))
@@ -124,12 +133,7 @@ class Planner:
                 )
                 if self.metrics is not None:
                     self.metrics.apply_errors.inc()
-                state = PolicyState(
-                    *(
-                        replace(state.pool(p), in_flight=None) if p in fresh else state.pool(p)
-                        for p in ("prefill", "decode")
-                    )
-                )
+                state = settle(state, failed=fresh)
         self.state = state
         self.ticks += 1
         self.last = decision

@@ -43,10 +43,9 @@ class PlannerMetrics:
             pd = d.pool(p)
             self.current.labels(p).set(pd.current)
             self.desired.labels(p).set(pd.desired)
-            self.workers.labels(p).set(pd.signals.get("workers", 0))
-            loads = pd.signals.get("loads")
-            if isinstance(loads, dict):
-                self.load.labels(p).set(loads.get("max", 0.0))
+            self.workers.labels(p).set(pd.workers)
+            if pd.load_max is not None:
+                self.load.labels(p).set(pd.load_max)
             self.decisions.labels(p, pd.action).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:

@@ -55,6 +55,8 @@ class PoolObs:
     workers: int
     rejected: int = 0
     latency: LinearFit | None = None
+    # Of ``replicas``, how many the connector says are still starting (None = it cannot tell).
+    starting: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +230,9 @@ class WorkerBook:
             "card",
         )
 
-    def snapshot(self, pool: str, now: float, replicas: int | None = None) -> PoolObs:
+    def snapshot(
+        self, pool: str, now: float, replicas: int | None = None, starting: int | None = None
+    ) -> PoolObs:
         """The pool as the policy sees it; drops engines silent for ``stale_after_s``."""
         engines = self._engines[pool]
         stale_after = self.cfg.stale_after_s
@@ -249,7 +253,9 @@ class WorkerBook:
         workers = len({e.worker_id for e in out})
         rejected, self._rejected_since_snapshot[pool] = self._rejected_since_snapshot[pool], 0
         fit = self.models.prefill.fit() if pool == "prefill" else self.models.decode.fit()
-        return PoolObs(pool, tuple(out), workers if replicas is None else replicas, workers, rejected, fit)
+        return PoolObs(
+            pool, tuple(out), workers if replicas is None else replicas, workers, rejected, fit, starting
+        )
 
     def observe(
         self,
@@ -258,10 +264,12 @@ class WorkerBook:
         prefill_replicas: int | None = None,
         decode_replicas: int | None = None,
         settled: bool = True,
+        prefill_starting: int | None = None,
+        decode_starting: int | None = None,
     ) -> Observation:
         return Observation(
             now,
-            self.snapshot("prefill", now, prefill_replicas),
-            self.snapshot("decode", now, decode_replicas),
+            self.snapshot("prefill", now, prefill_replicas, prefill_starting),
+            self.snapshot("decode", now, decode_replicas, decode_starting),
             settled,
         )

@@ -1,32 +1,47 @@
 """The scaling policy: a pure function from observations and a small state to a decision with reasons.
 
 No I/O, no clock (``Observation.now`` is passed in), no randomness, so every rule is testable in
-microseconds and replayable offline. Rules, each a small named step below:
+microseconds and replayable offline. Per pool, ordered rules (each a named function below, like the
+stages of Kubernetes' HPA) draft a decision; then the interval guard and the GPU budget apply to both:
 
-1. An action in flight blocks its pool until the pool reaches the target and the connector says it is
-   done; after ``action_timeout_s`` the planner gives up, asks for what is actually running, moves on.
-2. Replicas != publishing workers (stale, not ready, left): hold for ``mismatch_grace_s``; after that,
-   decide with the missing workers counted against a scale-down (the direction of change).
-3. A pool with no work at all for ``idle_window_s`` steps down to its minimum.
-4. Per-engine load signals (target-specific) -> up when the pool is overloaded, down only when the
-   consolidated load (total over N-1 engines) still fits, and only after ``scale_down_window_s`` of
-   uninterrupted wanting.
-5. At most one step per pool per interval, clamped to [min, max]; a scale-up that would exceed the GPU
-   budget (counting replicas still draining) first frees a replica of the other pool, if that pool's
-   consolidated load fits, and waits for it to finish.
+1. ``rule_in_flight``: replicas asked for and still starting are capacity to come (the pool sizes on
+   top of them instead of waiting); a scale-down in flight holds; an action not done after
+   ``action_timeout_s`` is given up and the pool asks for what is actually running.
+2. ``rule_bounds``: outside [min, max] -> back in (down by at most ``scale_down_step``).
+3. ``rule_mismatch``: replicas != publishing workers (beyond those starting): hold for
+   ``mismatch_grace_s``, then decide with the silent ones counted as loaded (never a scale-down).
+4. ``rule_idle``: no work at all for ``idle_window_s`` -> down towards the minimum.
+5. ``rule_load``: proportional sizing. The pool's demand, projected to when a new replica would be
+   ready (its trend over ``trend_window_s`` times the measured startup), over what one engine carries
+   at the target -> the replicas needed; several may be added at once. Down only when the
+   consolidated load fits, for ``scale_down_window_s``, by at most ``scale_down_step``, never while
+   the trend says the load comes back within a startup.
+6. ``apply_interval_guard`` and ``apply_budget``: at most one action per pool per interval; the GPU
+   budget is never exceeded (draining replicas still count); an ask that does not fit is cut to what
+   fits, and if nothing fits the other pool gives a replica when its consolidated load allows.
+
+``settle()`` applies the connector's outcome (sent, failed, dry run) to the state, so the loop and the
+replay never edit policy state themselves.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
 from .config import PlannerConfig, Thresholds
 from .observations import EngineObs, Observation, PoolObs
 
+PoolName = Literal["prefill", "decode"]
+POOLS: tuple[PoolName, PoolName] = ("prefill", "decode")
 Action = Literal["scale_up", "scale_down", "hold"]
 Want = Literal["up", "down", "idle", "steady", "hold"]
+
+
+def other(pool: PoolName) -> PoolName:
+    return "decode" if pool == "prefill" else "prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +58,14 @@ class PoolState:
     mismatch_since: float | None = None
     last_action_at: float | None = None
     in_flight: InFlight | None = None
+    # (time, demand) samples inside the trend window; demand in the pool's own unit (see Sizing).
+    trend: tuple[tuple[float, float], ...] = ()
+    # Prefill: tokens/s one saturated engine processes (EWMA of its passes); None until seen.
+    engine_rate: float | None = None
+    # Seconds from a scale-up to the new replica's first record (EWMA); None until measured.
+    startup_s: float | None = None
+    # A scale-up whose first new record is awaited: (asked at, workers publishing then).
+    startup_probe: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +73,48 @@ class PolicyState:
     prefill: PoolState = PoolState()
     decode: PoolState = PoolState()
 
-    def pool(self, name: str) -> PoolState:
+    def pool(self, name: PoolName) -> PoolState:
         return self.prefill if name == "prefill" else self.decode
+
+    def with_pool(self, name: PoolName, st: PoolState) -> PolicyState:
+        return replace(self, prefill=st) if name == "prefill" else replace(self, decode=st)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """A pool's load as the policy judged it (the typed signals). ``want`` is before bounds and budget.
+
+    ``demand`` and ``projected`` are in engines' worth of work at 100% (decode: KV or running slots;
+    prefill: engines kept saturated plus the deficit the queue's growth shows); ``needed`` is the
+    replica count the projected demand asks for at the target utilisation.
+    """
+
+    want: Want
+    why: str
+    load_max: float = 0.0
+    demand: float | None = None
+    projected: float | None = None
+    needed: int | None = None
+    consolidated: float | None = None
+    slope: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class PoolDecision:
-    pool: str
+    pool: PoolName
     current: int
     desired: int
     action: Action
     reason: str
-    signals: dict[str, Any] = field(default_factory=dict)
+    workers: int = 0
+    engines: int = 0
+    sizing: Sizing | None = None
+    signals: dict[str, Any] = field(default_factory=dict)  # everything above and more, for the log
+
+    @property
+    def load_max(self) -> float | None:
+        return None if self.sizing is None or self.sizing.want in ("idle", "hold") else self.sizing.load_max
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +123,7 @@ class Decision:
     prefill: PoolDecision
     decode: PoolDecision
 
-    def pool(self, name: str) -> PoolDecision:
+    def pool(self, name: PoolName) -> PoolDecision:
         return self.prefill if name == "prefill" else self.decode
 
     @property
@@ -79,18 +132,7 @@ class Decision:
 
 
 # --------------------------------------------------------------------------------------------------
-# Signals: per-engine load for each target.
-
-
-@dataclass(slots=True)
-class Signals:
-    """A pool's load as the policy judged it. ``want`` is before windows, clamps and budget."""
-
-    want: Want
-    why: str
-    max_load: float = 0.0
-    consolidated: float | None = None
-    data: dict[str, Any] = field(default_factory=dict)
+# Load per engine.
 
 
 def engine_idle(e: EngineObs) -> bool:
@@ -149,96 +191,240 @@ def decode_demand(e: EngineObs, weight: float, up: float) -> DecodeDemand:
 
 def decode_load(e: EngineObs, dd: DecodeDemand) -> float:
     """KV demand / KV capacity, or running-slot demand / ``max_num_seqs`` when known: the higher."""
-    load = dd.tokens / e.capacity.kv_tokens  # type: ignore[operator]
+    kv = e.capacity.kv_tokens or 1
+    load = dd.tokens / kv
     seqs = e.capacity.max_num_seqs
     if seqs:
         load = max(load, dd.requests / seqs)
     return load
 
 
-def _threshold_signals(pool: PoolObs, cfg: PlannerConfig, th: Thresholds, note: str = "") -> Signals:
-    engines = pool.engines
-    n = len(engines)
-    if pool.name == "prefill":
-        missing = [e.worker_id for e in engines if not e.capacity.context_length]
-        if missing:
-            return Signals("hold", f"capacity unknown (context_length) for worker {missing[0]}")
-        loads = [e.record.queued_requests.sum_prefill_tokens / e.capacity.context_length for e in engines]  # type: ignore[operator]
-        up, down = th.prefill_up, th.prefill_down
-        over = max(loads) >= up
-        data: dict[str, Any] = {
-            "queued_prefill_tokens": sum(e.record.queued_requests.sum_prefill_tokens for e in engines)
-        }
-    else:
-        missing = [e.worker_id for e in engines if not e.capacity.kv_tokens]
-        if missing:
-            return Signals("hold", f"capacity unknown (kv_tokens) for worker {missing[0]}")
-        up, down = th.decode_up, th.decode_down
-        loads, transfer, waiting, bound, slot_max = [], 0, 0, 0, 0.0
-        for e in engines:
-            dd = decode_demand(e, cfg.transfer_bound_weight, up)
-            loads.append(decode_load(e, dd))
-            transfer += dd.transfer_tokens
-            waiting += dd.waiting_tokens
-            bound += dd.transfer_bound
-            if e.capacity.max_num_seqs:
-                slot_max = max(slot_max, dd.requests / e.capacity.max_num_seqs)
-        over = max(loads) > up
-        data = {
-            "decode_kv_tokens": sum(e.record.scheduled_requests.sum_decode_kv_tokens for e in engines),
-            "queued_decode_kv_tokens": sum(e.record.queued_requests.sum_decode_kv_tokens for e in engines),
-            "decode_kv_transfer_tokens": transfer,
-            "decode_kv_waiting_tokens": waiting,
-            "transfer_bound_engines": bound,
-            "slot_load_max": round(slot_max, 4),
-        }
-    mx = max(loads)
-    data.update(loads=_summ(loads), up=up, down=down)
-    if over:
-        return Signals("up", f"{pool.name} load {mx:.2f} over {up:g}{note}", mx, None, data)
-    # Removing a replica removes all its engines (dp ranks); silent replicas count as fully loaded.
-    per_worker = n / max(pool.workers, 1)
+def trend_slope(samples: Iterable[tuple[float, float]]) -> float:
+    """Least-squares slope (demand units per second) of (time, demand) samples; 0 with < 2 samples."""
+    pts = list(samples)
+    n = len(pts)
+    if n < 2:
+        return 0.0
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    if var <= 0:
+        return 0.0
+    return sum((t - mt) * (v - mv) for t, v in pts) / var
+
+
+def _summ(values: list[float]) -> dict[str, float]:
+    return {"max": round(max(values), 4), "mean": round(sum(values) / len(values), 4), "n": len(values)}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """What the load rules need besides the observation: the state and the pool's lead time."""
+
+    pool: PoolObs
+    state: PoolState
+    cfg: PlannerConfig
+    replicas: int  # capacity counted: running + asked-for replicas still starting
+    lead_s: float  # how long until a replica asked for now would serve
+    starting: int = 0  # of ``replicas``, still starting (not publishing yet, not silent)
+
+
+def _per_worker(pool: PoolObs) -> float:
+    return len(pool.engines) / max(pool.workers, 1)
+
+
+def _consolidated(loads: list[float], pool: PoolObs, up: float) -> tuple[float, float, float]:
+    """(load spread over the engines left after removing one replica, silent engines, engines left)."""
+    n = len(loads)
+    per_worker = _per_worker(pool)
     expected = max(float(n), per_worker * pool.replicas)
     silent = expected - n
     remaining = expected - per_worker
-    consolidated = (sum(loads) + silent * up) / remaining if remaining > 0 else math.inf
-    data["consolidated"] = round(consolidated, 4) if math.isfinite(consolidated) else None
-    limit = up * cfg.consolidation_headroom
+    value = (sum(loads) + silent * up) / remaining if remaining > 0 else math.inf
+    return value, silent, remaining
+
+
+def _needed_replicas(engines_needed: float, pool: PoolObs) -> int:
+    """Engines' worth of work -> whole replicas (a replica brings all its dp ranks)."""
+    return max(1, math.ceil(engines_needed / _per_worker(pool) - 1e-9))
+
+
+def _project(
+    view: PoolView, demand: float, now: float
+) -> tuple[float, float, tuple[tuple[float, float], ...]]:
+    """(slope, projected demand, new trend samples): demand expected when a replica asked now is ready."""
+    cfg = view.cfg
+    window = cfg.trend_window_s
+    samples = (*(s for s in view.state.trend if now - s[0] <= window), (now, demand))
+    slope = trend_slope(samples)
+    growth = max(slope, 0.0) * view.lead_s
+    # A trend is a guess: never project more than ``projection_cap`` times today's demand on top of it.
+    growth = min(growth, cfg.projection_cap * max(demand, 1.0))
+    return slope, demand + growth, samples
+
+
+def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
+    pool, cfg = view.pool, view.cfg
+    th = cfg.effective_thresholds()
+    missing = [e.worker_id for e in pool.engines if not e.capacity.kv_tokens]
+    if missing:
+        return Sizing("hold", f"capacity unknown (kv_tokens) for worker {missing[0]}"), view.state
+    up, down, target = th.decode_up, th.decode_down, th.decode_target
+    loads: list[float] = []
+    transfer = waiting = bound = 0
+    slot_max = 0.0
+    for e in pool.engines:
+        dd = decode_demand(e, cfg.transfer_bound_weight, up)
+        loads.append(decode_load(e, dd))
+        transfer += dd.transfer_tokens
+        waiting += dd.waiting_tokens
+        bound += dd.transfer_bound
+        if e.capacity.max_num_seqs:
+            slot_max = max(slot_max, dd.requests / e.capacity.max_num_seqs)
+    details: dict[str, Any] = {
+        "decode_kv_tokens": sum(e.record.scheduled_requests.sum_decode_kv_tokens for e in pool.engines),
+        "queued_decode_kv_tokens": sum(e.record.queued_requests.sum_decode_kv_tokens for e in pool.engines),
+        "decode_kv_transfer_tokens": transfer,
+        "decode_kv_waiting_tokens": waiting,
+        "transfer_bound_engines": bound,
+        "slot_load_max": round(slot_max, 4),
+    }
+    demand = sum(loads)
+    slope, projected, samples = _project(view, demand, now)
+    st = replace(view.state, trend=samples)
+    return _size(view, loads, demand, projected, slope, up, down, target, details, ""), st
+
+
+def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
+    """Prefill demand from the queue: engines kept saturated plus the deficit its growth shows.
+
+    A saturated engine (a queue behind its pass) processes ``engine_rate`` tokens/s, measured from its
+    passes. The queue grows at (arrivals - capacity): slope / rate more engines stop the growth, and
+    the backlog expected when new replicas are ready, drained in ``prefill_drain_s``, asks for more.
+    Until a rate is measured, the queue over ``context_length`` is the load, as upstream's.
+    """
+    pool, cfg = view.pool, view.cfg
+    th = cfg.effective_thresholds()
+    missing = [e.worker_id for e in pool.engines if not e.capacity.context_length]
+    if missing:
+        return Sizing("hold", f"capacity unknown (context_length) for worker {missing[0]}"), view.state
+    up, down, target = th.prefill_up, th.prefill_down, th.prefill_target
+    queued = [float(e.record.queued_requests.sum_prefill_tokens) for e in pool.engines]
+    loads = [q / e.capacity.context_length for q, e in zip(queued, pool.engines, strict=True)]  # type: ignore[operator]
+    rate = view.state.engine_rate
+    for e, q in zip(pool.engines, queued, strict=True):
+        s = e.record.scheduled_requests
+        if q > 0 and s.sum_prefill_tokens > 0 and e.record.wall_time > 0:
+            r = s.sum_prefill_tokens / e.record.wall_time
+            rate = r if rate is None else 0.8 * rate + 0.2 * r
+    backlog = sum(queued)
+    _, _, samples = _project(view, backlog, now)
+    # The queue's growth now (its last few samples), not over the whole trend window: a burst's
+    # first seconds must not be averaged with the quiet minute before it.
+    recent = [x for x in samples if now - x[0] <= 2.5 * cfg.interval_s]
+    slope = trend_slope(recent)
+    st = replace(view.state, trend=samples, engine_rate=rate)
+    details: dict[str, Any] = {
+        "queued_prefill_tokens": int(backlog),
+        "engine_rate_tok_s": None if rate is None else round(rate, 1),
+    }
+    saturated = sum(1 for ld in loads if ld >= up)
+    if rate is None or rate <= 0 or saturated == 0:
+        return _size(view, loads, None, None, slope, up, down, target, details, ""), st
+    deficit = max(slope, 0.0) / rate
+    # Until the replicas already asked for serve, the queue keeps growing at this rate.
+    probe = view.state.startup_probe
+    lead = view.lead_s if probe is None else max(view.lead_s - (now - probe[0]), 0.0)
+    growth = min(max(slope, 0.0) * lead, cfg.projection_cap * max(backlog, 1.0) * 10)
+    drain = (backlog + growth) / (rate * cfg.prefill_drain_s)
+    demand = float(len(loads)) + deficit
+    projected = demand + drain * target  # the drain term is already in engines at the target
+    details.update(deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
+    return _size(view, loads, demand, projected, slope, up, down, target, details, ""), st
+
+
+def _size(
+    view: PoolView,
+    loads: list[float],
+    demand: float | None,
+    projected: float | None,
+    slope: float,
+    up: float,
+    down: float,
+    target: float,
+    details: dict[str, Any],
+    note: str,
+) -> Sizing:
+    """Up / down / steady from per-engine loads and (when known) the projected demand."""
+    pool = view.pool
+    name = pool.name
+    mx = max(loads)
+    details = dict(details, loads=_summ(loads), up=up, down=down, target=target)
+    cons, silent, remaining = _consolidated(loads, pool, up)
+    details["consolidated"] = round(cons, 4) if math.isfinite(cons) else None
+    silent_busy = max(silent - view.starting * _per_worker(pool), 0.0)
+    if demand is not None and projected is not None and silent_busy:
+        # Replicas that should publish and do not count as loaded at ``up`` (never as idle).
+        demand, projected = demand + silent_busy * up, projected + silent_busy * up
+    needed: int | None = None
+    needed_now: int | None = None
+    if projected is not None and demand is not None:
+        # Today's demand triggers a scale-up; the trend only says how many to add at once.
+        needed_now = _needed_replicas(demand / target, pool)
+        needed = max(_needed_replicas(projected / target, pool), needed_now)
+        details["needed"] = needed
+    common = {
+        "load_max": mx,
+        "demand": None if demand is None else round(demand, 4),
+        "projected": None if projected is None else round(projected, 4),
+        "needed": needed,
+        "consolidated": cons if math.isfinite(cons) else None,
+        "slope": round(slope, 6),
+        "details": details,
+    }
+    # Starting replicas will take their share: the load of the busiest engine once they serve.
+    spread = mx * pool.workers / max(pool.workers + view.starting, 1)
+    over = spread >= up if name == "prefill" else spread > up
+    # With a sizing model, today's demand triggers; without one (no rate measured yet), an engine over ``up``.
+    trigger = needed_now > view.replicas if needed_now is not None else over
+    if trigger:
+        n = needed if needed is not None else view.replicas + 1
+        why = f"{name} load {mx:.2f} over {up:g}" if over else f"{name} load {mx:.2f}"
+        if projected is not None and demand is not None:
+            why += f"; demand {demand:.2f} engines, {projected:.2f} expected in {view.lead_s:.0f}s"
+            why += f" -> {n} replicas at {target:g}"
+        return Sizing("up", why + note, needed=n, **{k: v for k, v in common.items() if k != "needed"})
     if silent:
         note += f" ({silent:g} silent engines counted at {up:g})"
     if mx < down:
-        if consolidated < limit:
-            return Signals(
+        limit = up * view.cfg.consolidation_headroom
+        if slope > 0 and needed is not None and needed >= view.replicas:
+            why = f"{name} load {mx:.2f} under {down:g} but rising: {needed} replicas needed within a startup"
+            return Sizing("steady", why + note, **common)
+        if cons < limit:
+            return Sizing(
                 "down",
-                f"{pool.name} load {mx:.2f} under {down:g}; on {remaining:g} engines {consolidated:.2f} < {limit:.2f}{note}",
-                mx,
-                consolidated,
-                data,
+                f"{name} load {mx:.2f} under {down:g}; on {remaining:g} engines {cons:.2f} < {limit:.2f}{note}",
+                **common,
             )
         if remaining <= 0:
-            why = f"{pool.name} load {mx:.2f} under {down:g}; a single replica, nothing to consolidate"
+            why = f"{name} load {mx:.2f} under {down:g}; a single replica, nothing to consolidate"
         else:
-            why = f"{pool.name} load {mx:.2f} under {down:g} but on {remaining:g} engines it would be {consolidated:.2f} >= {limit:.2f}"
-        return Signals("steady", why + note, mx, consolidated, data)
-    return Signals(
-        "steady", f"{pool.name} load {mx:.2f} within [{down:g}, {up:g}]{note}", mx, consolidated, data
-    )
+            why = f"{name} load {mx:.2f} under {down:g} but on {remaining:g} engines it would be {cons:.2f} >= {limit:.2f}"
+        return Sizing("steady", why + note, **common)
+    return Sizing("steady", f"{name} load {mx:.2f} within [{down:g}, {up:g}]{note}", **common)
 
 
-def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
+def _sla_sizing(view: PoolView) -> Sizing:
+    """``target: sla``: the online latency models predict TTFT / ITL per engine; one step at a time."""
+    pool, cfg = view.pool, view.cfg
     fit = pool.latency
-    if fit is None or fit.samples < cfg.sla.min_samples:
-        n = 0 if fit is None else fit.samples
-        return _threshold_signals(
-            pool, cfg, cfg.thresholds or Thresholds(), f" (latency model not ready: {n} samples; thresholds)"
-        )
     engines = pool.engines
     n = len(engines)
     head = cfg.sla.headroom
     if pool.name == "prefill":
         target = cfg.sla.ttft_ms / 1000.0
-
-        a, b = fit.coef
+        a, b = fit.coef  # type: ignore[union-attr]
 
         def ttft(q: float, chunk: int | None) -> float:
             """Time to compute ``q`` queued tokens in passes of at most ``chunk`` tokens."""
@@ -249,7 +435,7 @@ def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
         qs = [float(e.record.queued_requests.sum_prefill_tokens) for e in engines]
         est = [ttft(q, e.capacity.max_num_batched_tokens) for q, e in zip(qs, engines, strict=True)]
         ratios = [x / target for x in est]
-        data: dict[str, Any] = {"ttft_est_s": _summ(est), "ttft_target_s": target, "samples": fit.samples}
+        details: dict[str, Any] = {"ttft_est_s": _summ(est), "ttft_target_s": target, "samples": fit.samples}  # type: ignore[union-attr]
         cons = (
             ttft(sum(qs) / (n - 1), engines[0].capacity.max_num_batched_tokens) / target
             if n > 1
@@ -261,7 +447,7 @@ def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
         demands = [decode_demand(e, cfg.transfer_bound_weight, 1.0) for e in engines]
         reqs = [dd.requests for dd in demands]
         kvs = [dd.tokens for dd in demands]
-        a, b, c = fit.coef
+        a, b, c = fit.coef  # type: ignore[union-attr]
         est = [max(a + b * r + c * k, 0.0) for r, k in zip(reqs, kvs, strict=True)]
         ratios = [x / target for x in est]
         caps = [e.capacity.kv_tokens for e in engines]
@@ -269,270 +455,457 @@ def _sla_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
             e.capacity.max_num_seqs and r > e.capacity.max_num_seqs
             for r, e in zip(reqs, engines, strict=True)
         )
-        cons = fit.predict(sum(reqs) / (n - 1), sum(kvs) / (n - 1)) / target if n > 1 else math.inf
+        cons = fit.predict(sum(reqs) / (n - 1), sum(kvs) / (n - 1)) / target if n > 1 else math.inf  # type: ignore[union-attr]
         cap_min = min((c for c in caps if c), default=None)
         if n > 1 and cap_min and sum(kvs) / (n - 1) > cap_min * head:
             cons = math.inf
-        data = {"itl_est_s": _summ(est), "itl_target_s": target, "samples": fit.samples, "kv_over": kv_over}
+        details = {
+            "itl_est_s": _summ(est),
+            "itl_target_s": target,
+            "samples": fit.samples,
+            "kv_over": kv_over,
+        }  # type: ignore[union-attr]
     if pool.replicas > pool.workers:
         cons = math.inf  # silent replicas: their load is unknown, so no consolidation
     mx = max(ratios)
-    data["consolidated"] = None if not math.isfinite(cons) else round(cons, 4)
+    finite = cons if math.isfinite(cons) else None
+    details["consolidated"] = None if finite is None else round(cons, 4)
     if min(ratios) > 1.0 or kv_over:
-        return Signals(
-            "up", f"{pool.name} predicted latency {mx:.2f}x the SLA on every engine", mx, cons, data
-        )
+        why = f"{pool.name} predicted latency {mx:.2f}x the SLA on every engine"
+        return Sizing("up", why, mx, needed=view.replicas + 1, consolidated=finite, details=details)
     if cons <= head:
         why = f"{pool.name} on {n - 1} engines predicted at {cons:.2f}x the SLA <= {head:g}"
-        return Signals("down", why, mx, cons, data)
-    return Signals("steady", f"{pool.name} predicted latency {mx:.2f}x the SLA", mx, cons, data)
+        return Sizing("down", why, mx, consolidated=finite, details=details)
+    why = f"{pool.name} predicted latency {mx:.2f}x the SLA"
+    return Sizing("steady", why, mx, consolidated=finite, details=details)
 
 
-def _summ(values: list[float]) -> dict[str, float]:
-    return {"max": round(max(values), 4), "mean": round(sum(values) / len(values), 4), "n": len(values)}
-
-
-def pool_signals(pool: PoolObs, cfg: PlannerConfig) -> Signals:
+def pool_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
+    pool = view.pool
     if not pool.engines:
-        return Signals("idle", f"{pool.name}: no engines publishing")
+        return Sizing("idle", f"{pool.name}: no engines publishing"), view.state
     if all(engine_idle(e) for e in pool.engines):
-        return Signals("idle", f"{pool.name}: no scheduled or queued work on {len(pool.engines)} engines")
+        st = replace(view.state, trend=((now, 0.0),))
+        return Sizing("idle", f"{pool.name}: no scheduled or queued work on {len(pool.engines)} engines"), st
+    cfg = view.cfg
     if cfg.target == "sla":
-        return _sla_signals(pool, cfg)
-    return _threshold_signals(pool, cfg, cfg.effective_thresholds())
+        fit = pool.latency
+        if fit is not None and fit.samples >= cfg.sla.min_samples:
+            return _sla_sizing(view), view.state
+        n = 0 if fit is None else fit.samples
+        sizing, st = (prefill_sizing if pool.name == "prefill" else decode_sizing)(view, now)
+        return replace(sizing, why=sizing.why + f" (latency model not ready: {n} samples; thresholds)"), st
+    return (prefill_sizing if pool.name == "prefill" else decode_sizing)(view, now)
 
 
 # --------------------------------------------------------------------------------------------------
-# The decision.
+# The rules.
 
 
 @dataclass(slots=True)
-class _Draft:
-    name: str
+class Draft:
+    """One pool's decision in the making; each rule reads and refines it."""
+
+    name: PoolName
     pool: PoolObs
     st: PoolState
+    replicas: int  # capacity counted: running + asked for and still starting
     desired: int
     action: Action
     reason: str
-    signals: dict[str, Any]
-    sig: Signals | None = None
+    details: dict[str, Any]
+    sizing: Sizing | None = None
+    done: bool = False
+
+    def decide(self, desired: int, reason: str, st: PoolState | None = None) -> Draft:
+        self.desired = desired
+        self.action = (
+            "scale_up"
+            if desired > self.pool.replicas
+            else "scale_down"
+            if desired < self.pool.replicas
+            else "hold"
+        )
+        self.reason = reason
+        if st is not None:
+            self.st = st
+        self.done = True
+        return self
+
+    def hold(self, reason: str, st: PoolState | None = None, desired: int | None = None) -> Draft:
+        self.decide(self.pool.replicas, reason, st)
+        if desired is not None:
+            self.desired = desired  # the pending target: the planner still wants it (logs, metrics)
+        return self
 
 
-def _gpus(cfg: PlannerConfig, name: str, replicas: int) -> int:
-    return replicas * cfg.pool(name).gpus_per_replica
+def _lead(st: PoolState, cfg: PlannerConfig) -> float:
+    return st.startup_s if st.startup_s is not None else cfg.expected_startup_s
 
 
-def _held(d: _Draft) -> int:
+def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
+    """Starting replicas are capacity to come; a drain in flight holds; a stuck action is given up."""
+    fl = d.st.in_flight
+    if fl is None:
+        return
+    now, pool = obs.now, d.pool
+    up = fl.target >= fl.previous
+    reached = pool.workers >= fl.target if up else pool.workers <= fl.target
+    if reached and (obs.settled or up):
+        d.st = replace(d.st, in_flight=None)
+        return
+    if now - fl.since >= cfg.action_timeout_s:
+        pc = cfg.pool(d.name)
+        running = min(max(pool.workers, pc.min_replicas), pc.max_replicas)
+        reason = (
+            f"action {fl.previous}->{fl.target} not done after {now - fl.since:.0f}s "
+            f"({pool.workers} workers publishing); abandoning it and asking for {running}"
+        )
+        st = replace(
+            d.st,
+            in_flight=InFlight(running, fl.target, now),
+            last_action_at=now,
+            down_since=None,
+            startup_probe=None,
+        )
+        d.decide(running, reason, st)
+        return
+    left = cfg.action_timeout_s - (now - fl.since)
+    state = "settled" if obs.settled else "connector busy"
+    if not up:
+        d.hold(
+            f"waiting for action {fl.previous}->{fl.target} ({pool.workers} publishing, {state}; "
+            f"gives up in {left:.0f}s)",
+            desired=fl.target,
+        )
+        return
+    # A scale-up in flight: size on top of it (never below what was asked for).
+    d.replicas = max(d.replicas, fl.target)
+    d.details["starting"] = max(fl.target - pool.workers, 0)
+    d.reason = (
+        f"waiting for action {fl.previous}->{fl.target} ({pool.workers} publishing, {state}; "
+        f"gives up in {left:.0f}s)"
+    )
+
+
+def rule_bounds(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
+    pc = cfg.pool(d.name)
+    cur = d.pool.replicas
+    if d.replicas < pc.min_replicas:
+        d.decide(pc.min_replicas, f"{cur} replicas, below min_replicas {pc.min_replicas}")
+    elif cur > pc.max_replicas:
+        d.decide(
+            max(cur - cfg.scale_down_step, pc.max_replicas),
+            f"{cur} replicas, above max_replicas {pc.max_replicas}",
+        )
+
+
+def _starting(d: Draft, status_starting: int | None) -> int:
+    if status_starting is not None:
+        return status_starting
+    return max(d.replicas - d.pool.workers, 0) if d.st.in_flight is not None else 0
+
+
+def rule_mismatch(d: Draft, obs: Observation, cfg: PlannerConfig) -> int:
+    """Replicas that should publish but do not (starting ones excepted): hold, then count them busy."""
+    now, pool = obs.now, d.pool
+    missing = pool.replicas - pool.workers - _starting(d, pool.starting)
+    if pool.replicas < pool.workers:
+        missing = pool.replicas - pool.workers
+    elif missing < 0:
+        missing = 0
+    since = (d.st.mismatch_since if d.st.mismatch_since is not None else now) if missing else None
+    d.st = replace(d.st, mismatch_since=since)
+    if not missing:
+        return 0
+    waited = now - (since if since is not None else now)
+    d.details["mismatch_s"] = round(waited, 3)
+    if waited < cfg.mismatch_grace_s:
+        what = "not publishing (stale, starting or gone)" if missing > 0 else "extra, not counted as replicas"
+        d.hold(
+            f"{pool.replicas} replicas but {pool.workers} workers publishing ({abs(missing)} {what}); "
+            f"holding, {cfg.mismatch_grace_s - waited:.0f}s of grace left",
+            replace(d.st, down_since=None, idle_since=None),
+        )
+    return missing
+
+
+def rule_idle(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> None:
+    s = d.sizing
+    if s is None or s.want != "idle":
+        d.st = replace(d.st, idle_since=None)
+        return
+    now, pc, cur = obs.now, cfg.pool(d.name), d.pool.replicas
+    if missing > 0:
+        # Silent replicas count as busy: a NATS outage must not read as "traffic stopped".
+        d.hold(
+            s.why + f"; {missing} of {cur} replicas not publishing count as busy, no scale-down",
+            replace(d.st, idle_since=None, down_since=None),
+        )
+        return
+    since = d.st.idle_since if d.st.idle_since is not None else now
+    st = replace(d.st, idle_since=since, down_since=None)
+    if cur <= pc.min_replicas:
+        d.hold(s.why + f"; at minimum {pc.min_replicas}", st)
+    elif d.st.in_flight is not None:
+        d.hold(s.why + "; a scale-up is still starting", st, desired=d.replicas)
+    elif now - since >= cfg.idle_window_s:
+        to = max(cur - cfg.scale_down_step, pc.min_replicas)
+        d.decide(to, s.why + f" for {now - since:.0f}s; stepping down towards minimum {pc.min_replicas}", st)
+    else:
+        d.hold(s.why + f"; idle {now - since:.0f}s of {cfg.idle_window_s:g}s before stepping down", st)
+
+
+def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> None:
+    s = d.sizing
+    assert s is not None
+    now, pc, cur = obs.now, cfg.pool(d.name), d.pool.replicas
+    if s.want == "up":
+        d.st = replace(d.st, down_since=None)
+        want = min(s.needed if s.needed is not None else d.replicas + 1, pc.max_replicas)
+        if cfg.max_scale_up_step is not None:
+            want = min(want, d.replicas + cfg.max_scale_up_step)
+        if d.replicas >= pc.max_replicas:
+            d.hold(s.why + f"; at max_replicas {pc.max_replicas}", desired=max(d.replicas, cur))
+        elif want <= d.replicas:
+            d.hold(s.why + f"; {d.replicas} replicas (with those starting) carry it", desired=d.replicas)
+        else:
+            starting = d.replicas - cur
+            d.decide(want, s.why + (f" ({starting} starting counted)" if starting > 0 else ""))
+        return
+    if d.st.in_flight is not None:
+        # A scale-up is still starting: never reverse it before it has landed.
+        d.hold(d.reason + "; " + s.why, replace(d.st, down_since=None), desired=d.replicas)
+        return
+    if s.want == "down":
+        if missing > 0:
+            d.hold(
+                s.why + f"; but {missing} replicas are not publishing (counted as busy), no scale-down",
+                replace(d.st, down_since=None),
+            )
+            return
+        since = d.st.down_since if d.st.down_since is not None else now
+        st = replace(d.st, down_since=since)
+        if cur <= pc.min_replicas:
+            d.hold(s.why + f"; at min_replicas {pc.min_replicas}", st)
+        elif now - since >= cfg.scale_down_window_s:
+            floor = max(pc.min_replicas, s.needed or 0, cur - cfg.scale_down_step)
+            if floor >= cur:
+                d.hold(s.why + f"; {s.needed} replicas needed", st)
+            else:
+                d.decide(floor, s.why + f"; wanted for {now - since:.0f}s", st)
+        else:
+            d.hold(s.why + f"; wanted for {now - since:.0f}s of {cfg.scale_down_window_s:g}s", st)
+        return
+    d.hold(s.why, replace(d.st, down_since=None))
+
+
+def _probe_startup(st: PoolState, pool: PoolObs, now: float) -> PoolState:
+    """Measure the time from a scale-up to the first record of a new replica (EWMA)."""
+    probe = st.startup_probe
+    if probe is None or pool.workers <= probe[1]:
+        return st
+    took = now - probe[0]
+    est = took if st.startup_s is None else 0.5 * st.startup_s + 0.5 * took
+    return replace(st, startup_s=est, startup_probe=None)
+
+
+def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConfig) -> Draft:
+    pool = obs.pool(name)
+    st = _probe_startup(st, pool, obs.now)
+    details: dict[str, Any] = {
+        "replicas": pool.replicas,
+        "workers": pool.workers,
+        "engines": len(pool.engines),
+    }
+    if pool.engines:
+        sources: dict[str, int] = {}
+        for e in pool.engines:
+            sources[e.capacity.source] = sources.get(e.capacity.source, 0) + 1
+        details["capacity_from"] = sources
+    if pool.rejected:
+        details["rejected_records"] = pool.rejected
+    d = Draft(name, pool, st, pool.replicas, pool.replicas, "hold", "", details)
+    rule_in_flight(d, obs, cfg)
+    if d.done:
+        return d
+    rule_bounds(d, obs, cfg)
+    if d.done:
+        return d
+    missing = rule_mismatch(d, obs, cfg)
+    if d.done:
+        return d
+    view = PoolView(pool, d.st, cfg, d.replicas, _lead(d.st, cfg), _starting(d, pool.starting))
+    sizing, d.st = pool_sizing(view, obs.now)
+    d.sizing = sizing
+    d.details.update(sizing.details)
+    d.details["want"] = sizing.want
+    d.details["lead_s"] = round(view.lead_s, 1)
+    rule_idle(d, obs, cfg, missing)
+    if d.done:
+        return d
+    rule_load(d, obs, cfg, missing)
+    return d
+
+
+def _fits_consolidated(d: Draft, cfg: PlannerConfig) -> bool:
+    """Whether this pool could give one replica away (for a rebalance) without overloading."""
+    s = d.sizing
+    if s is None or d.st.in_flight is not None or d.pool.replicas <= cfg.pool(d.name).min_replicas:
+        return False
+    if s.want in ("idle", "down"):
+        return d.pool.workers >= d.pool.replicas
+    if s.want != "steady" or s.consolidated is None:
+        return False
+    th = cfg.effective_thresholds()
+    up = th.prefill_up if d.name == "prefill" else th.decode_up
+    limit = cfg.sla.headroom if cfg.target == "sla" else up * cfg.consolidation_headroom
+    return s.consolidated < limit and d.pool.workers >= d.pool.replicas
+
+
+def apply_interval_guard(
+    drafts: dict[PoolName, Draft], state: PolicyState, cfg: PlannerConfig, now: float
+) -> None:
+    """At most one action per pool per interval, even if decide() is called more often (half an interval of slack)."""
+    for d in drafts.values():
+        last = state.pool(d.name).last_action_at
+        if (
+            d.action != "hold"
+            and d.desired != d.pool.replicas
+            and last is not None
+            and now - last < cfg.interval_s * 0.5
+        ):
+            d.reason += f"; last step {now - last:.1f}s ago (< interval {cfg.interval_s:g}s)"
+            d.desired, d.action = max(d.pool.replicas, d.replicas), "hold"
+
+
+def _held(d: Draft) -> int:
     """Replicas that may hold GPUs right now: a draining scale-down still holds its old count."""
-    n = max(d.pool.replicas, d.pool.workers, d.desired)
+    n = max(d.pool.replicas, d.pool.workers, d.desired, d.replicas)
     if d.st.in_flight is not None:
         n = max(n, d.st.in_flight.target, d.st.in_flight.previous)
     return n
 
 
-def _draft(name: str, obs: Observation, st: PoolState, cfg: PlannerConfig) -> _Draft:
-    now = obs.now
-    pool = obs.pool(name)
-    pc = cfg.pool(name)
-    cur = pool.replicas
-    sig: dict[str, Any] = {"replicas": cur, "workers": pool.workers, "engines": len(pool.engines)}
-    if pool.engines:
-        sources: dict[str, int] = {}
-        for e in pool.engines:
-            src = e.capacity.source
-            sources[src] = sources.get(src, 0) + 1
-        sig["capacity_from"] = sources
-    if pool.rejected:
-        sig["rejected_records"] = pool.rejected
-
-    def hold(reason: str, st2: PoolState = st) -> _Draft:
-        return _Draft(name, pool, st2, cur, "hold", reason, sig)
-
-    # 1. An action in flight.
-    fl = st.in_flight
-    if fl is not None:
-        up = fl.target >= fl.previous
-        reached = pool.workers >= fl.target if up else pool.workers <= fl.target
-        if reached and obs.settled and cur == fl.target:
-            st = replace(st, in_flight=None)
-        elif now - fl.since >= cfg.action_timeout_s:
-            running = min(max(pool.workers, pc.min_replicas), pc.max_replicas)
-            reason = (
-                f"action {fl.previous}->{fl.target} not done after {now - fl.since:.0f}s "
-                f"({pool.workers} workers publishing); abandoning it and asking for {running}"
-            )
-            st = replace(st, in_flight=InFlight(running, fl.target, now), last_action_at=now, down_since=None)
-            act: Action = "scale_up" if running > cur else "scale_down" if running < cur else "hold"
-            return _Draft(name, pool, st, running, act, reason, sig)
-        else:
-            left = cfg.action_timeout_s - (now - fl.since)
-            # ``desired`` stays the pending target: the planner still wants it (logs, metrics).
-            why = (
-                f"waiting for action {fl.previous}->{fl.target} ({pool.workers} publishing, "
-                f"{'settled' if obs.settled else 'connector busy'}; gives up in {left:.0f}s)"
-            )
-            return _Draft(name, pool, st, fl.target, "hold", why, sig)
-
-    # Outside [min, max] (a fresh deployment, a crashed replica, a changed limit): one step back in.
-    if cur < pc.min_replicas:
-        return _Draft(
-            name, pool, st, cur + 1, "scale_up", f"{cur} replicas, below min_replicas {pc.min_replicas}", sig
-        )
-
-    if cur > pc.max_replicas:  # max lowered, or someone else scaled up: one step down
-        return _Draft(
-            name,
-            pool,
-            st,
-            cur - 1,
-            "scale_down",
-            f"{cur} replicas, above max_replicas {pc.max_replicas}",
-            sig,
-        )
-
-    # 2. Replicas vs publishing workers.
-    missing = cur - pool.workers
-    st = replace(
-        st, mismatch_since=(st.mismatch_since if st.mismatch_since is not None else now) if missing else None
+def apply_budget(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
+    """Scale-ups, the most loaded pool first, within the GPU budget; a cut ask, or a rebalance."""
+    budget = cfg.gpu_budget
+    if budget is None:
+        return
+    ups = sorted(
+        (
+            d
+            for d in drafts.values()
+            if d.action == "scale_up" and d.desired > d.replicas - (d.replicas - d.pool.replicas)
+        ),
+        key=lambda d: -(d.sizing.load_max if d.sizing else 0.0),
     )
-    if missing:
-        waited = now - (st.mismatch_since if st.mismatch_since is not None else now)
-        sig["mismatch_s"] = round(waited, 3)
-        if waited < cfg.mismatch_grace_s:
-            what = (
-                "not publishing (stale, starting or gone)"
-                if missing > 0
-                else "extra, not counted as replicas"
+    for d in ups:
+        o = drafts[other(d.name)]
+        gpr = cfg.pool(d.name).gpus_per_replica
+        used = _held(d) * gpr + _held(o) * cfg.pool(o.name).gpus_per_replica
+        d.details["gpus_after"] = used
+        if used <= budget:
+            continue
+        want = d.desired
+        base = max(d.pool.replicas, d.pool.workers, d.replicas)
+        if d.st.in_flight is not None:
+            base = max(base, d.st.in_flight.target, d.st.in_flight.previous)
+        free = budget - _held(o) * cfg.pool(o.name).gpus_per_replica
+        fits = free // gpr if gpr else want
+        if fits > base:
+            d.desired = min(want, fits)
+            d.reason += f"; cut to {d.desired} by the GPU budget {budget}"
+            d.details["gpus_after"] = d.desired * gpr + _held(o) * cfg.pool(o.name).gpus_per_replica
+            continue
+        d.desired, d.action = max(d.pool.replicas, d.replicas), "hold"
+        if d.desired == d.pool.replicas:
+            d.action = "hold"
+        if o.action == "scale_down" or o.desired < o.pool.replicas:
+            d.reason += (
+                f"; GPU budget {budget} would be exceeded ({used}); waiting for {o.name} to scale down"
             )
-            return hold(
-                f"{cur} replicas but {pool.workers} workers publishing ({abs(missing)} {what}); "
-                f"holding, {cfg.mismatch_grace_s - waited:.0f}s of grace left",
-                replace(st, down_since=None, idle_since=None),
+        elif o.action == "hold" and _fits_consolidated(o, cfg):
+            o.desired, o.action = o.pool.replicas - 1, "scale_down"
+            o.reason = (
+                f"rebalance: releasing one {o.name} replica so {d.name} can go to {want} "
+                f"within the GPU budget {budget} ({o.reason})"
             )
-
-    # 3./4. Signals.
-    s = pool_signals(pool, cfg)
-    sig.update(s.data)
-    sig["want"] = s.want
-    d = _Draft(name, pool, st, cur, "hold", s.why, sig, s)
-    if s.want == "idle":
-        if missing > 0:
-            # Silent replicas count as busy: a NATS outage must not read as "traffic stopped".
-            d.reason = s.why + f"; {missing} of {cur} replicas not publishing count as busy, no scale-down"
-            d.st = replace(st, idle_since=None, down_since=None)
-            return d
-        since = st.idle_since if st.idle_since is not None else now
-        d.st = replace(st, idle_since=since, down_since=None)
-        if cur <= pc.min_replicas:
-            d.reason = s.why + f"; at minimum {pc.min_replicas}"
-        elif now - since >= cfg.idle_window_s:
-            d.desired, d.action = cur - 1, "scale_down"
-            d.reason = s.why + f" for {now - since:.0f}s; stepping down towards minimum {pc.min_replicas}"
+            o.st = replace(o.st, down_since=None)
+            d.reason += f"; GPU budget {budget} would be exceeded ({used}); rebalancing from {o.name} first"
         else:
-            d.reason = s.why + f"; idle {now - since:.0f}s of {cfg.idle_window_s:g}s before stepping down"
-        return d
-    st = replace(st, idle_since=None)
-    d.st = st
-    if s.want == "up":
-        d.st = replace(st, down_since=None)
-        if cur >= pc.max_replicas:
-            d.reason = s.why + f"; at max_replicas {pc.max_replicas}"
-        else:
-            d.desired, d.action = cur + 1, "scale_up"
-        return d
-    if s.want == "down":
-        if missing > 0:
-            d.reason = s.why + f"; but {missing} replicas are not publishing (counted as busy), no scale-down"
-            d.st = replace(st, down_since=None)
-            return d
-        since = st.down_since if st.down_since is not None else now
-        d.st = replace(st, down_since=since)
-        if cur <= pc.min_replicas:
-            d.reason = s.why + f"; at min_replicas {pc.min_replicas}"
-        elif now - since >= cfg.scale_down_window_s:
-            d.desired, d.action = cur - 1, "scale_down"
-            d.reason = s.why + f"; wanted for {now - since:.0f}s"
-        else:
-            d.reason = s.why + f"; wanted for {now - since:.0f}s of {cfg.scale_down_window_s:g}s"
-        return d
-    d.st = replace(st, down_since=None)
-    return d
+            d.reason += f"; GPU budget {budget} would be exceeded ({used}) and {o.name} cannot give a replica"
 
 
-def _fits_consolidated(d: _Draft, cfg: PlannerConfig) -> bool:
-    """Whether this pool could give one replica away (for a rebalance) without overloading."""
-    if d.sig is None or d.st.in_flight is not None or d.pool.replicas <= cfg.pool(d.name).min_replicas:
-        return False
-    if d.sig.want in ("idle", "down"):
-        return d.pool.workers >= d.pool.replicas
-    if d.sig.want != "steady" or d.sig.consolidated is None:
-        return False
-    limit = cfg.sla.headroom if cfg.target == "sla" else _up(d.name, cfg) * cfg.consolidation_headroom
-    return d.sig.consolidated < limit and d.pool.workers >= d.pool.replicas
-
-
-def _up(name: str, cfg: PlannerConfig) -> float:
-    th = cfg.effective_thresholds()
-    return th.prefill_up if name == "prefill" else th.decode_up
+def _signals(d: Draft) -> dict[str, Any]:
+    out = dict(d.details)
+    s = d.sizing
+    if s is not None:
+        for key in ("demand", "projected", "slope"):
+            v = getattr(s, key)
+            if v is not None:
+                out[key] = v
+    return out
 
 
 def decide(obs: Observation, state: PolicyState, cfg: PlannerConfig) -> tuple[Decision, PolicyState]:
     """One decision for both pools. Pure: same inputs, same output."""
-    drafts = {name: _draft(name, obs, state.pool(name), cfg) for name in ("prefill", "decode")}
+    drafts = {name: draft_pool(name, obs, state.pool(name), cfg) for name in POOLS}
     now = obs.now
-
-    # One step per pool per interval, even if called more often.
-    for d in drafts.values():
-        last = state.pool(d.name).last_action_at
-        if d.action != "hold" and last is not None and now - last < cfg.interval_s * 0.999:
-            d.reason += f"; last step {now - last:.1f}s ago (< interval {cfg.interval_s:g}s)"
-            d.desired, d.action = d.pool.replicas, "hold"
-
-    # GPU budget: scale-ups, the most loaded pool first.
-    if cfg.gpu_budget is not None:
-        budget = cfg.gpu_budget
-        ups = sorted(
-            (d for d in drafts.values() if d.action == "scale_up" and d.st.in_flight is None),
-            key=lambda d: -(d.sig.max_load if d.sig else 0.0),
-        )
-        for d in ups:
-            other = drafts["decode" if d.name == "prefill" else "prefill"]
-            used = _gpus(cfg, d.name, _held(d)) + _gpus(cfg, other.name, _held(other))
-            d.signals["gpus_after"] = used
-            if used <= budget:
-                continue
-            want = d.desired
-            d.desired, d.action = d.pool.replicas, "hold"
-            if other.action == "scale_down" or other.desired < other.pool.replicas:
-                d.reason += f"; GPU budget {budget} would be exceeded ({used}); waiting for {other.name} to scale down"
-            elif other.action == "hold" and _fits_consolidated(other, cfg):
-                other.desired, other.action = other.pool.replicas - 1, "scale_down"
-                other.reason = (
-                    f"rebalance: releasing one {other.name} replica so {d.name} can go to {want} "
-                    f"within the GPU budget {budget} ({other.reason})"
-                )
-                other.st = replace(other.st, down_since=None)
-                d.reason += (
-                    f"; GPU budget {budget} would be exceeded ({used}); rebalancing from {other.name} first"
-                )
-            else:
-                d.reason += (
-                    f"; GPU budget {budget} would be exceeded ({used}) and {other.name} cannot give a replica"
-                )
-
-    decisions: dict[str, PoolDecision] = {}
-    states: dict[str, PoolState] = {}
+    apply_interval_guard(drafts, state, cfg, now)
+    apply_budget(drafts, cfg)
+    decisions: dict[PoolName, PoolDecision] = {}
+    new_state = state
     for name, d in drafts.items():
         st = d.st
-        if d.action != "hold" and d.desired != d.pool.replicas and st.in_flight is None:
+        if d.action != "hold" and d.desired != max(
+            d.pool.replicas, d.replicas if d.action == "scale_up" else 0
+        ):
+            fl = st.in_flight
+            previous = fl.previous if fl is not None and d.action == "scale_up" else d.pool.replicas
             st = replace(
-                st, in_flight=InFlight(d.desired, d.pool.replicas, now), last_action_at=now, down_since=None
+                st,
+                in_flight=InFlight(d.desired, previous, now),
+                last_action_at=now,
+                down_since=None,
             )
+            if d.action == "scale_up" and st.startup_probe is None:
+                st = replace(st, startup_probe=(now, d.pool.workers))
         if cfg.gpu_budget is not None:
-            d.signals["gpu_budget"] = cfg.gpu_budget
-        decisions[name] = PoolDecision(name, d.pool.replicas, d.desired, d.action, d.reason, d.signals)
-        states[name] = st
-    return (
-        Decision(now, decisions["prefill"], decisions["decode"]),
-        PolicyState(states["prefill"], states["decode"]),
-    )
+            d.details["gpu_budget"] = cfg.gpu_budget
+        decisions[name] = PoolDecision(
+            name,
+            d.pool.replicas,
+            d.desired,
+            d.action,
+            d.reason,
+            d.pool.workers,
+            len(d.pool.engines),
+            d.sizing,
+            _signals(d),
+        )
+        new_state = new_state.with_pool(name, st)
+    return Decision(now, decisions["prefill"], decisions["decode"]), new_state
+
+
+def sent_now(state: PolicyState, now: float) -> list[PoolName]:
+    """Pools whose new target was set at ``now`` (what the loop must send to the connector)."""
+    return [p for p in POOLS if (fl := state.pool(p).in_flight) is not None and fl.since == now]
+
+
+def settle(state: PolicyState, *, dry_run: bool = False, failed: Iterable[PoolName] = ()) -> PolicyState:
+    """The connector's outcome applied to the state: nothing will happen (dry run), or a send failed.
+
+    A dry run waits for nothing; a failed send clears that pool's in-flight action so the policy asks
+    again at the next interval instead of waiting for an action that never started.
+    """
+    failed = set(failed)
+    for p in POOLS:
+        st = state.pool(p)
+        if dry_run or p in failed:
+            state = state.with_pool(p, replace(st, in_flight=None, startup_probe=None))
+    return state
+
+
+def thresholds_of(cfg: PlannerConfig) -> Thresholds:
+    return cfg.effective_thresholds()

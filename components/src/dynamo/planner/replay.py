@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import msgspec
@@ -23,7 +23,7 @@ from dynamo.common.fpm_subjects import parse_fpm_subject
 from .config import PlannerConfig
 from .decision_log import lines as decision_lines
 from .observations import WorkerBook
-from .policy import Decision, PolicyState, decide
+from .policy import Decision, PolicyState, decide, settle
 
 
 @dataclass
@@ -82,7 +82,7 @@ def replay(
     def tick(at: float) -> Decision:
         nonlocal state
         d, state = decide(book.observe(at), state, cfg)
-        state = PolicyState(*(replace(state.pool(p), in_flight=None) for p in ("prefill", "decode")))
+        state = settle(state, dry_run=True)  # the stream does not react: wait for nothing
         return d
 
     for i, line in enumerate(stream):
@@ -121,8 +121,7 @@ def timeline_row(d: Decision) -> str:
     cells = []
     for p in ("prefill", "decode"):
         pd = d.pool(p)
-        loads = pd.signals.get("loads")
-        mx = f"{loads['max']:.2f}" if isinstance(loads, dict) else "-"
+        mx = "-" if pd.load_max is None else f"{pd.load_max:.2f}"
         cells.append(f"{pd.current:>4} -> {pd.desired:<3} {mx:>6}")
     notes = "; ".join(
         f"{p} {d.pool(p).action}: {d.pool(p).reason}"

@@ -19,11 +19,9 @@ def render(
     ]
     for p in ("prefill", "decode"):
         pd = d.pool(p)
-        loads = pd.signals.get("loads")
-        mx = f"{loads['max']:.2f}" if isinstance(loads, dict) else "-"
+        mx = "-" if pd.load_max is None else f"{pd.load_max:.2f}"
         rows.append(
-            f"{p:8} {pd.current:>4} {pd.desired:>4} {pd.signals.get('workers', 0):>7} "
-            f"{pd.signals.get('engines', 0):>7} {mx:>8}  {pd.action}"
+            f"{p:8} {pd.current:>4} {pd.desired:>4} {pd.workers:>7} {pd.engines:>7} {mx:>8}  {pd.action}"
         )
     rows.append("")
     for p in ("prefill", "decode"):

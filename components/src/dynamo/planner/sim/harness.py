@@ -129,17 +129,23 @@ class PlannerPolicy:
         }
 
     def _feed(self, snapshot: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
-        """Every engine's snapshot -> a record through ``Planner.on_record``; returns queued totals."""
+        """Every active engine's snapshot -> a record through ``Planner.on_record``; returns queued totals.
+
+        The simulator lists only engines that ran a pass since the last tick; a live worker sends an idle
+        heartbeat instead, so an active engine without a pass gets one. Draining engines are left out,
+        as discovery no longer lists a draining worker.
+        """
         out: dict[str, tuple[int, int]] = {}
         endpoint = self.cfg.endpoint
         for pool in POOLS:
             q_prefill = q_decode = 0
             component = self._components[pool]
-            for snap in snapshot.get(f"{pool}_fpm_snapshots", ()):
-                ckey = (pool, str(snap["worker_id"]))
+            by_id = {snap["worker_id"]: snap for snap in snapshot.get(f"{pool}_fpm_snapshots", ())}
+            for wid in snapshot.get(f"active_{pool}_ids", ()):
+                ckey = (pool, str(wid))
                 n = self._counters.get(ckey, 0) + 1
                 self._counters[ckey] = n
-                record = to_record(snap, n)
+                record = to_record(by_id.get(wid, {"worker_id": wid}), n)
                 key = WorkerKey(component, endpoint, record.worker_id, record.dp_rank)
                 worker = TrackedWorker(key, record, self.now, int(self.now * 1000), None, records=n)
                 self.planner.on_record(worker)

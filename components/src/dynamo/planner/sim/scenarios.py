@@ -64,16 +64,26 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "ramp",
-            "arrivals ramp 1 -> 10 -> 1 req/s in minute steps (ISL 1500, OSL 300)",
+            "arrivals ramp 2 -> 14 -> 2 req/s in minute steps (ISL 3000, OSL 800): each step as long as a cold start",
             tuple(
-                Phase(d, r, 1500, 300)
-                for d, r in ((60, 1), (60, 3), (60, 6), (120, 10), (60, 6), (60, 3), (60, 1))
+                Phase(d, r, 3000, 800)
+                for d, r in (
+                    (60, 2),
+                    (60, 4),
+                    (60, 7),
+                    (60, 10),
+                    (120, 14),
+                    (60, 10),
+                    (60, 7),
+                    (60, 4),
+                    (60, 2),
+                )
             ),
         ),
         Scenario(
             "idle-gap",
-            "4 req/s, then 3 minutes of nothing, then 4 req/s again: scale in, and be back in time",
-            (Phase(150, 4, 1500, 600), Phase(180, 0, 1500, 600), Phase(150, 4, 1500, 600)),
+            "6 req/s, then 3 minutes of nothing, then 6 req/s again: scale in, and come back",
+            (Phase(150, 6, 2000, 1000), Phase(180, 0, 2000, 1000), Phase(150, 6, 2000, 1000)),
         ),
         Scenario(
             "flash-crowd",
@@ -82,13 +92,13 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "opposite-shift",
-            "prompts grow 6x while outputs shrink 10x, then back: prefill up and decode down together",
-            (Phase(150, 3, 1000, 1000), Phase(300, 3, 6000, 100), Phase(150, 3, 1000, 1000)),
+            "long outputs, then 10x longer prompts with 20x shorter outputs, then back: prefill up while decode goes down",
+            (Phase(150, 4, 1000, 2000), Phase(300, 8, 10000, 100), Phase(150, 4, 1000, 2000)),
         ),
         Scenario(
             "slow-wave",
-            "arrivals follow a 5-minute wave between 1 and 8 req/s for 15 minutes (ISL 1500, OSL 300)",
-            (Phase(900, _wave(1, 8, 300), 1500, 300, peak_rate=8),),
+            "arrivals follow a 5-minute wave between 2 and 16 req/s for 15 minutes (ISL 3000, OSL 800)",
+            (Phase(900, _wave(2, 16, 300), 3000, 800, peak_rate=16),),
         ),
         Scenario(
             "fleet-scale",

@@ -1,0 +1,157 @@
+"""Planner outcomes on Dynamo's fleet simulator: SLA goodput and GPU-hours per scenario and cold start.
+
+For every scenario of ``dynamo.planner.sim.scenarios`` (seeded traces) and cold start, it runs our
+planner (``python -m dynamo.planner simulate``'s harness), upstream Dynamo 1.6.1's load-based planner
+(isolated environment: ``make upstream-planner-env``; it uses import-only stand-ins for aisimulate,
+which load-based scaling does not call) and finds the cheapest static N+N fleet reaching 95% goodput.
+Prints one row per (scenario, cold start, policy); ``--json`` writes every summary.
+
+    python benchmarks/bench_planner_outcomes.py [--scenarios a,b] [--startups 0,60,180] [--no-upstream]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dynamo.planner.config import config_from_mapping, load_config_arg, merge
+from dynamo.planner.sim.baselines import cheapest_static
+from dynamo.planner.sim.harness import SimSpec, simulate
+from dynamo.planner.sim.inputs import check_trace, engine_args
+from dynamo.planner.sim.scenarios import SCENARIOS, write_trace
+from upstream_planner.client import available as upstream_available
+from upstream_planner.client import run_upstream
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "bench-planner-outcomes"
+# Fleet limits for every policy: room for the fleet-scale scenario.
+FLEET_LIMITS = {"prefill": {"max_replicas": 64}, "decode": {"max_replicas": 64}}
+UPSTREAM_CONFIG = {"max_gpu_budget": 128}
+HEADER = (
+    f"{'scenario':<15} {'start':>5}  {'policy':<16} {'goodput':>8} {'GPU-h':>7} {'xstatic':>7} "
+    f"{'p90 TTFT':>9} {'p90 ITL':>8} {'actions':>7} {'flips':>5} {'planner s':>9} {'sim s':>7}"
+)
+
+
+def row(scenario: str, start: str, policy: str, s: dict[str, Any], static_gpu_h: float | None) -> str:
+    ratio = f"{s['gpu_hours'] / static_gpu_h:.2f}" if static_gpu_h else "-"
+    ttft = "-" if s.get("p90_ttft_ms") is None else f"{s['p90_ttft_ms']:.0f}"
+    itl = "-" if s.get("p90_itl_ms") is None else f"{s['p90_itl_ms']:.1f}"
+    return (
+        f"{scenario:<15} {start:>5}  {policy:<16} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f} {ratio:>7} "
+        f"{ttft:>9} {itl:>8} {s.get('scaling_actions', 0):>7} {s.get('direction_flips', 0):>5} "
+        f"{s.get('planner_wall_s', 0.0):>9.2f} {s.get('simulator_wall_s', s.get('wall_s', 0.0)):>7.2f}"
+    )
+
+
+def _key(trace: Path, spec: SimSpec) -> str:
+    h = hashlib.sha1(trace.read_bytes())
+    h.update(
+        json.dumps(
+            [spec.prefill_engine_args, spec.decode_engine_args, spec.sla_ttft_ms, spec.sla_itl_ms]
+        ).encode()
+    )
+    h.update(json.dumps(UPSTREAM_CONFIG).encode())
+    return h.hexdigest()[:16]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated names (default: all)")
+    ap.add_argument("--startups", default="0,60,180", help="cold starts in seconds (default: 0,60,180)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sla-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--sla-itl-ms", type=float, default=50.0)
+    ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
+    ap.add_argument("--no-upstream", action="store_true", help="skip upstream's planner")
+    ap.add_argument("--json", help="write every summary to this file")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        print(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+        return 2
+    startups = [float(x) for x in args.startups.split(",")]
+    cfg = config_from_mapping(merge(FLEET_LIMITS, load_config_arg(args.config)))
+    upstream_reason = "--no-upstream" if args.no_upstream else upstream_available()
+    if upstream_reason:
+        print(f"upstream planner skipped: {upstream_reason}", file=sys.stderr)
+    cache_file = CACHE / "upstream.json"
+    cache: dict[str, Any] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    results: list[dict[str, Any]] = []
+    print(HEADER)
+    for name in names:
+        trace = write_trace(name, CACHE / f"{name}-{args.seed}.jsonl", seed=args.seed)
+        base = SimSpec(
+            traces=(str(trace),),
+            prefill_engine_args=engine_args({}, "prefill", 0.0),
+            decode_engine_args=engine_args({}, "decode", 0.0),
+            sla_ttft_ms=args.sla_ttft_ms,
+            sla_itl_ms=args.sla_itl_ms,
+            trace_duration_s=check_trace(str(trace)),
+        )
+        t0 = time.perf_counter()
+        found = cheapest_static(base)
+        static_gpu_h = found[1]["gpu_hours"] if found else None
+        print(f"  [{name}: static search {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+        if found:
+            n, s = found
+            print(row(name, "-", f"static {n}+{n}", s, static_gpu_h))
+            results.append({"scenario": name, "startup_s": None, "policy": f"static {n}+{n}", **s})
+        else:
+            print(f"{name:<15} {'-':>5}  no static fleet up to 128+128 reaches 95%")
+        for startup in startups:
+            spec = SimSpec(
+                traces=base.traces,
+                prefill_engine_args=engine_args({}, "prefill", startup),
+                decode_engine_args=engine_args({}, "decode", startup),
+                sla_ttft_ms=base.sla_ttft_ms,
+                sla_itl_ms=base.sla_itl_ms,
+                trace_duration_s=base.trace_duration_s,
+            )
+            ours = simulate(spec, cfg)["summary"]
+            print(row(name, f"{startup:g}", "ours", ours, static_gpu_h), flush=True)
+            results.append({"scenario": name, "startup_s": startup, "policy": "ours", **ours})
+            if upstream_reason:
+                continue
+            key = f"{_key(trace, spec)}-{startup:g}"
+            if key not in cache:
+                t1 = time.perf_counter()
+                try:
+                    cache[key] = run_upstream(
+                        [trace],
+                        spec.prefill_engine_args,
+                        spec.decode_engine_args,
+                        startup_time_s=startup,
+                        sla_ttft_ms=spec.sla_ttft_ms,
+                        sla_itl_ms=spec.sla_itl_ms,
+                        planner_config=UPSTREAM_CONFIG,
+                    )
+                except RuntimeError as exc:
+                    print(
+                        f"  [{name} {startup:g} s: upstream failed: {str(exc).splitlines()[0]}]",
+                        file=sys.stderr,
+                    )
+                    continue
+                print(f"  [{name} {startup:g} s: upstream {time.perf_counter() - t1:.0f} s]", file=sys.stderr)
+                CACHE.mkdir(parents=True, exist_ok=True)
+                cache_file.write_text(json.dumps(cache, indent=1))
+            up = cache[key]
+            print(row(name, f"{startup:g}", "upstream 1.6.1*", up, static_gpu_h), flush=True)
+            results.append({"scenario": name, "startup_s": startup, "policy": "upstream-1.6.1", **up})
+    if not upstream_reason:
+        print(
+            "* upstream Dynamo 1.6.1's load-based planner; aisimulate replaced by import-only stand-ins (unused)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
