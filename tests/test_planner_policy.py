@@ -483,3 +483,123 @@ def test_random_traffic_respects_the_per_action_cap(
                 asked[pd.pool] = pd.desired
             elif pd.action == "scale_down":
                 asked[pd.pool] = pd.desired
+
+
+# --------------------------------------------------------------------------------------------------
+# Proportional, startup-aware sizing (docs/planner.md, "Sizing").
+
+
+def test_one_decision_adds_what_the_load_needs() -> None:
+    """3.4 engines of decode demand on one engine: one action asks for ceil(3.4 / 0.85) = 4 replicas."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(3.4 * KV))]
+    d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
+    assert (d.decode.action, d.decode.desired) == ("scale_up", 4), d.decode.reason
+    assert d.decode.sizing is not None and d.decode.sizing.needed == 4
+    assert d.decode.signals["demand"] == pytest.approx(3.4)
+    # ... bounded by max_replicas and by the per-action cap.
+    d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), config(max_scale_up_step=2))
+    assert d.decode.desired == 3
+
+
+def test_starting_replicas_are_capacity_to_come() -> None:
+    """Asked for 4; three still starting: the same load asks for nothing more, a bigger one does."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(3.4 * KV))]
+    _, state = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
+    # The connector runs 4 (3 starting, not publishing yet): no mismatch hold, no second ask.
+    o = obs(5.0, [heartbeat("p0")], decode, decode_replicas=4)
+    o = type(o)(o.now, o.prefill, type(o.decode)(**{**_fields(o.decode), "starting": 3}), o.settled)
+    d, state = decide(o, state, cfg)
+    assert d.decode.action == "hold" and d.decode.desired == 4, d.decode.reason
+    assert "waiting for action 1->4" in d.decode.reason and "silent" not in d.decode.reason
+    # Load doubles while they start: asks on top of them, without waiting.
+    bigger = [rec("d0", s_decode=8, s_decode_kv=int(6.0 * KV))]
+    o = obs(10.0, [heartbeat("p0")], bigger, decode_replicas=4)
+    o = type(o)(o.now, o.prefill, type(o.decode)(**{**_fields(o.decode), "starting": 3}), o.settled)
+    d, state = decide(o, state, cfg)
+    assert d.decode.action == "scale_up" and d.decode.desired >= 8, d.decode.reason
+
+
+def _fields(p: object) -> dict:
+    return {f: getattr(p, f) for f in p.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+def test_startup_time_is_measured_from_action_to_first_record() -> None:
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(1.5 * KV))]
+    _, state = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
+    assert state.decode.startup_probe == (0.0, 1)
+    both = [*decode, rec("d1", s_decode=1, s_decode_kv=100)]
+    d, state = decide(obs(35.0, [heartbeat("p0")], both, decode_replicas=2), state, cfg)
+    assert state.decode.startup_s == 35.0 and state.decode.startup_probe is None
+    assert d.decode.signals["lead_s"] == 35.0  # the next sizing looks 35 s ahead, not 60
+
+
+def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=10.0, trend_window_s=60.0)
+    state = PolicyState()
+    # Demand rises steadily on 3 engines (0.1 -> 0.5 each): below ``down`` but coming back.
+    for i, t in enumerate(range(0, 30, 5)):
+        per = 0.1 + 0.08 * i
+        decode = [rec(f"d{k}", s_decode=1, s_decode_kv=int(per * KV)) for k in range(3)]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode), state, cfg)
+    assert d.decode.action != "scale_down", d.decode.reason
+    assert d.decode.sizing is not None and d.decode.sizing.slope > 0
+    # The same load, falling: steps down.
+    state = PolicyState()
+    actions = []
+    for i, t in enumerate(range(0, 30, 5)):
+        per = 0.5 - 0.08 * i
+        decode = [rec(f"d{k}", s_decode=1, s_decode_kv=int(per * KV)) for k in range(3)]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode), state, cfg)
+        actions.append(d.decode.action)
+    assert "scale_down" in actions, d.decode.reason
+
+
+def test_scale_down_stabilization_remembers_what_was_needed() -> None:
+    cfg = config(
+        decode={"min_replicas": 1, "max_replicas": 8},
+        scale_down_window_s=0.0,
+        scale_down_stabilization_s=60.0,
+    )
+    sim = Sim(cfg, prefill=1, decode=1)
+    run(sim, 2, lambda i: (0.05, 3.0))  # needs 4
+    assert sim.decode == 4
+    run(sim, 8, lambda i: (0.05, 0.4))  # 40 s of little load: still within 60 s of the need
+    assert sim.decode == 4, [d.decode.reason for d in sim.history[-3:]]
+    assert "stabilization" in sim.history[-1].decode.reason
+    run(sim, 10, lambda i: (0.05, 0.4))
+    assert sim.decode < 4
+
+
+def test_aggregated_workers_count_their_queued_prompts() -> None:
+    """Upstream's case: three aggregated engines with 20 queued prompts each must not be scaled down."""
+    cfg = config(scale_down_window_s=0.0, decode={"min_replicas": 1, "max_replicas": 8})
+    agg = [
+        rec(f"a{i}", s_decode=2, s_decode_kv=400, q_prefill=20, q_prefill_tokens=20 * 1500) for i in range(3)
+    ]
+    d, _ = decide(obs(0.0, [], agg, prefill_replicas=0), PolicyState(), config_with_no_prefill(cfg))
+    assert d.decode.action == "scale_up", d.decode.reason
+
+
+def config_with_no_prefill(cfg: object) -> object:
+    from dataclasses import replace as dc_replace
+
+    from dynamo.planner.config import PoolConfig
+
+    return dc_replace(cfg, prefill=PoolConfig(min_replicas=0, max_replicas=0))  # type: ignore[type-var]
+
+
+def test_an_on_time_tick_after_a_late_one_may_act() -> None:
+    """The interval guard: a tick 4.8 s after a late one (interval 5 s) is not held."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, max_scale_up_step=1)
+    high = [rec("d0", s_decode=8, s_decode_kv=int(2.0 * KV))]
+    _, state = decide(obs(10.2, [heartbeat("p0")], high), PolicyState(), cfg)
+    two = [rec("d0", s_decode=8, s_decode_kv=int(2.0 * KV)), rec("d1", s_decode=8, s_decode_kv=int(2.0 * KV))]
+    d, _ = decide(obs(15.0, [heartbeat("p0")], two, decode_replicas=2), state, cfg)
+    assert d.decode.action == "scale_up", d.decode.reason
+    assert "last step" not in d.decode.reason
+    # Called again within half an interval: held.
+    d2, _ = decide(obs(12.0, [heartbeat("p0")], two, decode_replicas=2), state, cfg)
+    assert d2.decode.action == "hold" and "last step" in d2.decode.reason

@@ -11,7 +11,7 @@ import pytest
 from dynamo._core import run_mocker_trace_replay
 from dynamo.planner.config import PlannerConfig
 from dynamo.planner.sim.harness import PlannerPolicy, SimSpec, simulate
-from dynamo.planner.sim.inputs import engine_args
+from dynamo.planner.sim.inputs import engine_args, merge_traces
 from dynamo.planner.sim.scenarios import SCENARIOS, Phase, Scenario, requests, write_trace
 from dynamo.planner.sim.stats import direction_flips, percentile
 
@@ -176,6 +176,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], messag
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert done.stdout == ""
+
+
+def test_several_traces_replay_together(tmp_path: Path) -> None:
+    a = write_trace(Scenario("a", "", (Phase(30, 2, 500, 50),)), tmp_path / "a.jsonl")
+    b = write_trace(Scenario("b", "", (Phase(30, 3, 700, 40),)), tmp_path / "b.jsonl")
+    n = sum(1 for _ in a.open()) + sum(1 for _ in b.open())
+    done = _cli("--trace", str(a), "--trace", str(b), "--static", "1,1", "--json", "--quiet")
+    assert done.returncode == 0, done.stderr
+    s = json.loads(done.stdout.splitlines()[-1])
+    assert s["requests"] == n
+    merged = [json.loads(line) for line in merge_traces([str(a), str(b)], tmp_path / "m.jsonl").open()]
+    assert [r["timestamp"] for r in merged] == sorted(r["timestamp"] for r in merged)
+    ids = [i for r in merged for i in r["hash_ids"]]
+    assert len(ids) == len(set(ids))  # independent traces share no prefix
 
 
 def test_scenarios_are_seeded_and_cover_the_suite(tmp_path: Path) -> None:

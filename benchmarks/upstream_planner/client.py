@@ -58,6 +58,7 @@ def run_upstream(
     sla_ttft_ms: float,
     sla_itl_ms: float,
     initial: tuple[int, int] = (1, 1),
+    planner_config: Mapping[str, Any] | None = None,
     timeout_s: float = 900,
 ) -> dict[str, Any]:
     """Replay ``traces`` (replayed together) under upstream's load-based planner; the run.py --json record.
@@ -89,6 +90,8 @@ def run_upstream(
         "--json",
         "--quiet",
     ]
+    if planner_config:
+        cmd += ["--planner-config", json.dumps(dict(planner_config))]
     # Nothing of our environment may leak in: our venv has packages named like upstream's.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     try:

@@ -136,6 +136,9 @@ class PlannerConfig:
     consolidation_headroom: float = 0.8
     # A scale-down must have been wanted this long, without interruption, before it happens.
     scale_down_window_s: float = 30.0
+    # Never below the most replicas the sizing asked for within this long (the HPA's scale-down
+    # stabilization window; an idle pool's records cannot say how close to saturation it is).
+    scale_down_stabilization_s: float = 300.0
     # A pool with no work at all for this long steps down to its minimum (one step per interval).
     idle_window_s: float = 30.0
     # An action not completed by then is abandoned: the planner accepts what is running and moves on.
@@ -146,10 +149,14 @@ class PlannerConfig:
     scale_down_step: int = 1
     # Demand samples kept for the trend (its slope times the startup time is the growth sized for).
     trend_window_s: float = 60.0
+    # A trend this consistent (r squared of its line) may trigger a scale-up ahead of today's demand.
+    trend_min_r2: float = 0.8
     # The projected growth is at most this many times today's demand.
-    projection_cap: float = 1.0
+    projection_cap: float = 2.0
     # Startup assumed until measured (seconds from a scale-up to the new replica's first record).
     expected_startup_s: float = 60.0
+    # Decode: an engine's queue counts towards demand up to this many times what it holds.
+    decode_queue_weight: float = 1.0
     # Prefill: the backlog expected when new replicas are ready is sized to drain in this long.
     prefill_drain_s: float = 60.0
     # A worker that published nothing for this long is dropped.
@@ -256,6 +263,7 @@ def _check(cfg: PlannerConfig) -> None:
         positive("max_scale_up_step", cfg.max_scale_up_step)
     positive("scale_down_step", cfg.scale_down_step)
     positive("trend_window_s", cfg.trend_window_s, allow_zero=True)
+    positive("scale_down_stabilization_s", cfg.scale_down_stabilization_s, allow_zero=True)
     positive("projection_cap", cfg.projection_cap, allow_zero=True)
     positive("expected_startup_s", cfg.expected_startup_s, allow_zero=True)
     positive("prefill_drain_s", cfg.prefill_drain_s)

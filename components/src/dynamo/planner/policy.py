@@ -66,6 +66,8 @@ class PoolState:
     startup_s: float | None = None
     # A scale-up whose first new record is awaited: (asked at, workers publishing then).
     startup_probe: tuple[float, int] | None = None
+    # (time, replicas the sizing asked for) inside the scale-down stabilization window.
+    needs: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,10 +167,12 @@ def decode_demand(e: EngineObs, weight: float, up: float) -> DecodeDemand:
     capacity, and counts with ``transfer_bound_weight`` (default 0).
     """
     s, q = e.record.scheduled_requests, e.record.queued_requests
+    # An aggregated engine (in the decode pool) also queues prompts: they will need KV and slots.
+    prompts_kv, prompts = q.sum_prefill_tokens + s.sum_prefill_tokens, q.num_prefill_requests
     if q.sum_decode_kv_transfer_tokens is None:
         return DecodeDemand(
-            float(s.sum_decode_kv_tokens + q.sum_decode_kv_tokens),
-            float(s.num_decode_requests + q.num_decode_requests),
+            float(s.sum_decode_kv_tokens + q.sum_decode_kv_tokens + prompts_kv),
+            float(s.num_decode_requests + q.num_decode_requests + prompts + s.num_prefill_requests),
             0,
             q.sum_decode_kv_tokens,
             False,
@@ -179,8 +183,8 @@ def decode_demand(e: EngineObs, weight: float, up: float) -> DecodeDemand:
     transfer_reqs = q.num_decode_kv_transfer_requests or 0
     waiting = max(q.sum_decode_kv_tokens - transfer, 0)
     waiting_reqs = q.num_decode_requests - transfer_reqs
-    held = s.sum_decode_kv_tokens + waiting
-    held_reqs = s.num_decode_requests + max(waiting_reqs, 0)
+    held = s.sum_decode_kv_tokens + waiting + prompts_kv
+    held_reqs = s.num_decode_requests + max(waiting_reqs, 0) + prompts + s.num_prefill_requests
     bound = transfer > 0 and waiting_reqs <= 0 and held / kv <= up and (not seqs or held_reqs / seqs <= up)
     if bound:
         return DecodeDemand(
@@ -199,18 +203,26 @@ def decode_load(e: EngineObs, dd: DecodeDemand) -> float:
     return load
 
 
-def trend_slope(samples: Iterable[tuple[float, float]]) -> float:
-    """Least-squares slope (demand units per second) of (time, demand) samples; 0 with < 2 samples."""
+def trend_fit(samples: Iterable[tuple[float, float]]) -> tuple[float, float]:
+    """(slope per second, r squared) of a least-squares line through (time, demand) samples."""
     pts = list(samples)
     n = len(pts)
     if n < 2:
-        return 0.0
+        return 0.0, 0.0
     mt = sum(t for t, _ in pts) / n
     mv = sum(v for _, v in pts) / n
-    var = sum((t - mt) ** 2 for t, _ in pts)
-    if var <= 0:
-        return 0.0
-    return sum((t - mt) * (v - mv) for t, v in pts) / var
+    var_t = sum((t - mt) ** 2 for t, _ in pts)
+    var_v = sum((v - mv) ** 2 for _, v in pts)
+    if var_t <= 0:
+        return 0.0, 0.0
+    cov = sum((t - mt) * (v - mv) for t, v in pts)
+    r2 = cov * cov / (var_t * var_v) if var_v > 0 else 0.0
+    return cov / var_t, r2
+
+
+def trend_slope(samples: Iterable[tuple[float, float]]) -> float:
+    """Least-squares slope (demand units per second) of (time, demand) samples; 0 with < 2 samples."""
+    return trend_fit(samples)[0]
 
 
 def _summ(values: list[float]) -> dict[str, float]:
@@ -289,10 +301,31 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         "transfer_bound_engines": bound,
         "slot_load_max": round(slot_max, 4),
     }
-    demand = sum(loads)
+    # The pool's demand: what the engines hold, plus their queues counted up to ``queue_cap`` times
+    # what they hold. A queue behind full slots says the pool is short, not by how much: the backlog
+    # stays with its engine (it drains there), so counted in full it sizes the fleet for a moment.
+    held = [
+        decode_load(
+            e,
+            DecodeDemand(
+                float(e.record.scheduled_requests.sum_decode_kv_tokens),
+                float(e.record.scheduled_requests.num_decode_requests),
+                0,
+                0,
+                False,
+            ),
+        )
+        for e in pool.engines
+    ]
+    cap = cfg.decode_queue_weight
+    demand = sum(h + min(max(ld - h, 0.0), cap * max(h, 1.0)) for h, ld in zip(held, loads, strict=True))
     slope, projected, samples = _project(view, demand, now)
     st = replace(view.state, trend=samples)
-    return _size(view, loads, demand, projected, slope, up, down, target, details, ""), st
+    # A consistent rise (not one step) may trigger a scale-up before today's demand does.
+    _, r2 = trend_fit(samples)
+    sustained = len(samples) >= 4 and slope > 0 and r2 >= cfg.trend_min_r2
+    details["trend_r2"] = round(r2, 3)
+    return _size(view, loads, demand, projected, slope, up, down, target, details, "", sustained), st
 
 
 def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
@@ -319,9 +352,10 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
             rate = r if rate is None else 0.8 * rate + 0.2 * r
     backlog = sum(queued)
     _, _, samples = _project(view, backlog, now)
-    # The queue's growth now (its last few samples), not over the whole trend window: a burst's
-    # first seconds must not be averaged with the quiet minute before it.
-    recent = [x for x in samples if now - x[0] <= 2.5 * cfg.interval_s]
+    # The queue's growth over the last interval, not over the whole trend window: a burst's first
+    # seconds must not be averaged with the quiet minute before it (the queue integrates arrivals,
+    # so two samples are enough).
+    recent = samples[-2:]
     slope = trend_slope(recent)
     st = replace(view.state, trend=samples, engine_rate=rate)
     details: dict[str, Any] = {
@@ -336,8 +370,10 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     probe = view.state.startup_probe
     lead = view.lead_s if probe is None else max(view.lead_s - (now - probe[0]), 0.0)
     growth = min(max(slope, 0.0) * lead, cfg.projection_cap * max(backlog, 1.0) * 10)
-    drain = (backlog + growth) / (rate * cfg.prefill_drain_s)
     demand = float(len(loads)) + deficit
+    # Draining a backlog may at most double the fleet: under round-robin routing a backlog stays on
+    # the engines that hold it, so more engines beyond that only take new arrivals off them.
+    drain = min((backlog + growth) / (rate * cfg.prefill_drain_s), demand)
     projected = demand + drain * target  # the drain term is already in engines at the target
     details.update(deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
     return _size(view, loads, demand, projected, slope, up, down, target, details, ""), st
@@ -354,6 +390,7 @@ def _size(
     target: float,
     details: dict[str, Any],
     note: str,
+    sustained: bool = False,
 ) -> Sizing:
     """Up / down / steady from per-engine loads and (when known) the projected demand."""
     pool = view.pool
@@ -386,7 +423,9 @@ def _size(
     spread = mx * pool.workers / max(pool.workers + view.starting, 1)
     over = spread >= up if name == "prefill" else spread > up
     # With a sizing model, today's demand triggers; without one (no rate measured yet), an engine over ``up``.
-    trigger = needed_now > view.replicas if needed_now is not None else over
+    trigger = over
+    if needed_now is not None and needed is not None:
+        trigger = needed_now > view.replicas or (sustained and needed > view.replicas)
     if trigger:
         n = needed if needed is not None else view.replicas + 1
         why = f"{name} load {mx:.2f} over {up:g}" if over else f"{name} load {mx:.2f}"
@@ -394,8 +433,8 @@ def _size(
             why += f"; demand {demand:.2f} engines, {projected:.2f} expected in {view.lead_s:.0f}s"
             why += f" -> {n} replicas at {target:g}"
         return Sizing("up", why + note, needed=n, **{k: v for k, v in common.items() if k != "needed"})
-    if silent:
-        note += f" ({silent:g} silent engines counted at {up:g})"
+    if silent_busy:
+        note += f" ({silent_busy:g} silent engines counted at {up:g})"
     if mx < down:
         limit = up * view.cfg.consolidation_headroom
         if slope > 0 and needed is not None and needed >= view.replicas:
@@ -678,6 +717,14 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         d.hold(d.reason + "; " + s.why, replace(d.st, down_since=None), desired=d.replicas)
         return
     if s.want == "down":
+        recent = max((n for t, n in d.st.needs if now - t <= cfg.scale_down_stabilization_s), default=0)
+        if recent >= cur:
+            d.hold(
+                s.why
+                + f"; {recent} replicas were needed within {cfg.scale_down_stabilization_s:g}s (stabilization)",
+                replace(d.st, down_since=None),
+            )
+            return
         if missing > 0:
             d.hold(
                 s.why + f"; but {missing} replicas are not publishing (counted as busy), no scale-down",
@@ -689,7 +736,7 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         if cur <= pc.min_replicas:
             d.hold(s.why + f"; at min_replicas {pc.min_replicas}", st)
         elif now - since >= cfg.scale_down_window_s:
-            floor = max(pc.min_replicas, s.needed or 0, cur - cfg.scale_down_step)
+            floor = max(pc.min_replicas, s.needed or 0, recent, cur - cfg.scale_down_step)
             if floor >= cur:
                 d.hold(s.why + f"; {s.needed} replicas needed", st)
             else:
@@ -738,6 +785,10 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     view = PoolView(pool, d.st, cfg, d.replicas, _lead(d.st, cfg), _starting(d, pool.starting))
     sizing, d.st = pool_sizing(view, obs.now)
     d.sizing = sizing
+    if sizing.want == "up" and sizing.needed is not None:
+        window = cfg.scale_down_stabilization_s
+        kept = tuple(x for x in d.st.needs if obs.now - x[0] <= window)
+        d.st = replace(d.st, needs=(*kept, (obs.now, min(sizing.needed, cfg.pool(name).max_replicas))))
     d.details.update(sizing.details)
     d.details["want"] = sizing.want
     d.details["lead_s"] = round(view.lead_s, 1)

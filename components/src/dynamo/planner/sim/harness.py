@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TextIO
 
+from dynamo.common.forward_pass_metrics import ForwardPassMetrics
 from dynamo.common.fpm_tracker import TrackedWorker, WorkerKey
 
 from ..config import PlannerConfig
 from ..decision_log import DecisionLog
 from ..loop import Planner
 from .connector import POOLS, SimCardSource, SimulatorConnector, engine_capacity
-from .records import to_record
+from .inputs import merge_traces
+from .records import queue_snapshot, to_record
 from .stats import direction_flips, percentile
 
 
@@ -78,6 +82,7 @@ class PlannerPolicy:
         self.run = _Run()
         self.targets = dict(zip(POOLS, spec.initial, strict=True))
         self._counters: dict[tuple[str, str], int] = {}
+        self._last: dict[tuple[str, str], ForwardPassMetrics] = {}
         self._components = {"prefill": cfg.prefill_component, "decode": cfg.decode_component}
         self._progress = progress
 
@@ -131,9 +136,12 @@ class PlannerPolicy:
     def _feed(self, snapshot: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
         """Every active engine's snapshot -> a record through ``Planner.on_record``; returns queued totals.
 
-        The simulator lists only engines that ran a pass since the last tick; a live worker sends an idle
-        heartbeat instead, so an active engine without a pass gets one. Draining engines are left out,
-        as discovery no longer lists a draining worker.
+        The simulator lists only engines that ran a pass since the last tick; a live worker publishes
+        a queue snapshot instead (wall_time 0, its queue as it stands; an idle heartbeat when empty), so
+        an active engine without a pass gets one with its last queue. The mocker (1.6.1) also sends an
+        all-zero snapshot for an engine that holds a queue but ran no pass (seen for a prefill engine
+        with 1.5M queued tokens); that counts as no pass too. Draining engines are left out, as
+        discovery no longer lists a draining worker.
         """
         out: dict[str, tuple[int, int]] = {}
         endpoint = self.cfg.endpoint
@@ -145,7 +153,12 @@ class PlannerPolicy:
                 ckey = (pool, str(wid))
                 n = self._counters.get(ckey, 0) + 1
                 self._counters[ckey] = n
-                record = to_record(by_id.get(wid, {"worker_id": wid}), n)
+                snap = by_id.get(wid)
+                if snap is not None and not _empty(snap):
+                    record = to_record(snap, n)
+                    self._last[ckey] = record
+                else:
+                    record = queue_snapshot(self._last.get(ckey), wid, n)
                 key = WorkerKey(component, endpoint, record.worker_id, record.dp_rank)
                 worker = TrackedWorker(key, record, self.now, int(self.now * 1000), None, records=n)
                 self.planner.on_record(worker)
@@ -160,7 +173,19 @@ class PlannerPolicy:
             self.log.close()
 
 
+def _empty(snap: Mapping[str, Any]) -> bool:
+    """A snapshot with no pass time and nothing scheduled or queued (the mocker's "no pass")."""
+    return not snap.get("wall_time") and not any(
+        snap.get(k)
+        for k in ("num_prefill_requests", "num_decode_requests", "num_queued_prefill", "num_queued_decode")
+    )
+
+
 def _replay(spec: SimSpec, fleet: tuple[int, int], policy: Any, telemetry_ms: float | None) -> Any:
+    if len(spec.traces) > 1:
+        with tempfile.TemporaryDirectory(prefix="dynamo-simulate-") as tmp:
+            merged = merge_traces(list(spec.traces), Path(tmp) / "merged.jsonl")
+            return _replay(replace(spec, traces=(str(merged),)), fleet, policy, telemetry_ms)
     from dynamo._core import run_mocker_trace_replay
 
     return run_mocker_trace_replay(

@@ -47,3 +47,12 @@ def to_record(snap: Mapping[str, Any], counter_id: int) -> ForwardPassMetrics:
         scheduled_requests=scheduled,
         queued_requests=queued,
     )
+
+
+def queue_snapshot(
+    last: ForwardPassMetrics | None, snapshot_id: int | str, counter_id: int
+) -> ForwardPassMetrics:
+    """An engine that ran no pass since the last tick: its queue as its last record left it, nothing
+    scheduled, ``wall_time`` 0 (an idle heartbeat when that queue is empty), as a live worker publishes."""
+    queued = last.queued_requests if last is not None else QueuedRequestMetrics()
+    return ForwardPassMetrics(worker_id=worker_id(snapshot_id), counter_id=counter_id, queued_requests=queued)

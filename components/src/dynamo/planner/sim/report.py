@@ -213,7 +213,6 @@ def render_figure(result: Mapping[str, Any]) -> bytes:
         ax.set_ylabel("tokens")
         if t.size:
             ax.yaxis.set_major_formatter(tokens)
-            ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1.0))  # whole tokens: no "50m" on an empty queue
             for pool in POOLS:
                 _steps(
                     ax,
@@ -223,7 +222,7 @@ def render_figure(result: Mapping[str, Any]) -> bytes:
                     linewidth=dense,
                     label=f"{pool} pool",
                 )
-            ax.set_ylim(bottom=0)
+            ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1.0))  # whole tokens: no "50m" on an empty queue
         else:
             _no_data(ax, "no planner ticks recorded")
 
