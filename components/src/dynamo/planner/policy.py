@@ -304,21 +304,15 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     # The pool's demand: what the engines hold, plus their queues counted up to ``queue_cap`` times
     # what they hold. A queue behind full slots says the pool is short, not by how much: the backlog
     # stays with its engine (it drains there), so counted in full it sizes the fleet for a moment.
-    held = [
-        decode_load(
-            e,
-            DecodeDemand(
-                float(e.record.scheduled_requests.sum_decode_kv_tokens),
-                float(e.record.scheduled_requests.num_decode_requests),
-                0,
-                0,
-                False,
-            ),
-        )
-        for e in pool.engines
-    ]
     cap = cfg.decode_queue_weight
-    demand = sum(h + min(max(ld - h, 0.0), cap * max(h, 1.0)) for h, ld in zip(held, loads, strict=True))
+    demand = 0.0
+    for e, ld in zip(pool.engines, loads, strict=True):
+        s = e.record.scheduled_requests
+        seqs = e.capacity.max_num_seqs
+        h = s.sum_decode_kv_tokens / (e.capacity.kv_tokens or 1)
+        if seqs:
+            h = max(h, s.num_decode_requests / seqs)
+        demand += h + min(max(ld - h, 0.0), cap * max(h, 1.0))
     slope, projected, samples = _project(view, demand, now)
     st = replace(view.state, trend=samples)
     # A consistent rise (not one step) may trigger a scale-up before today's demand does.
