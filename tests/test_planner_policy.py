@@ -105,10 +105,16 @@ def test_decode_slots_full_scales_decode_even_with_little_kv() -> None:
 
 def test_prefill_backlog_scales_prefill_not_decode() -> None:
     cfg = config()
-    prefill = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=1500)]
+    # 8 queued 1k prompts: 0.31 s of work at the 25.6k tokens/s this engine's pass shows, over half
+    # the 500 ms TTFT target, so the queue is late (a queue of a few ms of work is not).
+    prefill = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=8000)]
     decode = [rec("d0", s_decode=4, s_decode_kv=3000)]
     d, _ = decide(obs(0.0, prefill, decode), PolicyState(), cfg)
-    assert d.prefill.action == "scale_up" and d.prefill.desired == 2
+    assert d.prefill.action == "scale_up" and d.prefill.desired == 2, d.prefill.reason
+    assert d.prefill.signals["queue_wait_s"] == pytest.approx(8000 / 25_600, abs=1e-3)
+    short = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=2, q_prefill_tokens=1500)]
+    d, _ = decide(obs(0.0, short, decode), PolicyState(), cfg)
+    assert d.prefill.action == "hold", d.prefill.reason
     assert d.decode.action == "hold"
 
 

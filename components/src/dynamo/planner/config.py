@@ -32,14 +32,14 @@ class Thresholds:
     prefill_down: float = 0.1
     decode_up: float = 1.0
     decode_down: float = 0.6
-    prefill_target: float = 0.9
+    prefill_target: float = 1.0
     decode_target: float = 0.85
 
 
 # Up/down thresholds: upstream Dynamo 1.6.1's load-based presets (dynamo/planner/core/load_scaling.py),
 # same values. The *_target utilisations are ours (upstream steps one replica at a time).
 PRESETS: dict[str, Thresholds] = {
-    "throughput": Thresholds(1.0, 0.1, 1.0, 0.6, 0.9, 0.85),
+    "throughput": Thresholds(1.0, 0.1, 1.0, 0.6, 1.0, 0.85),
     "latency": Thresholds(0.1, 0.0, 0.4, 0.1, 0.6, 0.5),
 }
 

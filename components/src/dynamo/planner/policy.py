@@ -364,13 +364,19 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     probe = view.state.startup_probe
     lead = view.lead_s if probe is None else max(view.lead_s - (now - probe[0]), 0.0)
     growth = min(max(slope, 0.0) * lead, cfg.projection_cap * max(backlog, 1.0) * 10)
+    # A queue that would wait longer than half the TTFT target needs more engines now, growing or not.
+    wait_s = max(queued) / rate
+    details["queue_wait_s"] = round(wait_s, 3)
+    # Only while the queue is not shrinking and nothing is on its way: under round-robin routing a
+    # backlog stays on its engine, and the replicas asked for take new arrivals, not that backlog.
+    late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
     demand = float(len(loads)) + deficit
     # Draining a backlog may at most double the fleet: under round-robin routing a backlog stays on
     # the engines that hold it, so more engines beyond that only take new arrivals off them.
     drain = min((backlog + growth) / (rate * cfg.prefill_drain_s), demand)
     projected = demand + drain * target  # the drain term is already in engines at the target
     details.update(deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
-    return _size(view, loads, demand, projected, slope, up, down, target, details, ""), st
+    return _size(view, loads, demand, projected, slope, up, down, target, details, "", late=late), st
 
 
 def _size(
@@ -385,6 +391,7 @@ def _size(
     details: dict[str, Any],
     note: str,
     sustained: bool = False,
+    late: bool = False,
 ) -> Sizing:
     """Up / down / steady from per-engine loads and (when known) the projected demand."""
     pool = view.pool
@@ -419,9 +426,11 @@ def _size(
     # With a sizing model, today's demand triggers; without one (no rate measured yet), an engine over ``up``.
     trigger = over
     if needed_now is not None and needed is not None:
-        trigger = needed_now > view.replicas or (sustained and needed > view.replicas)
+        trigger = needed_now > view.replicas or (sustained and needed > view.replicas) or late
     if trigger:
         n = needed if needed is not None else view.replicas + 1
+        if late:
+            n = max(n, view.replicas + 1)
         why = f"{name} load {mx:.2f} over {up:g}" if over else f"{name} load {mx:.2f}"
         if projected is not None and demand is not None:
             why += f"; demand {demand:.2f} engines, {projected:.2f} expected in {view.lead_s:.0f}s"
