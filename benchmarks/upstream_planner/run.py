@@ -50,120 +50,28 @@ BASE_PLANNER_CONFIG: dict[str, Any] = {
 }
 
 
-class InputError(Exception):
-    """Bad command-line input: exit status 2, one line on stderr."""
+def _our_inputs() -> Any:
+    """Our ``dynamo.planner.sim.inputs`` by file path: in this venv ``dynamo.planner`` is upstream's.
+
+    It needs only the standard library (and the runtime's mocker config check, the same 1.6.1 here),
+    so both planners read the same traces, engine args and fleet sizes with the same checks.
+    """
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "components/src/dynamo/planner/sim/inputs.py"
+    spec = importlib.util.spec_from_file_location("dynamo_fpm_sim_inputs", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_inputs = _our_inputs()
+InputError = _inputs.SimInputError
 
 
 # --------------------------------------------------------------------------- input
-
-
-def parse_json_arg(text: str, what: str) -> dict[str, Any]:
-    """Inline JSON, or the path of a JSON file; must be an object."""
-    raw = text
-    if not text.lstrip().startswith("{"):
-        p = Path(text)
-        if not p.is_file():
-            raise InputError(f"{what}: neither inline JSON nor a readable file: {text!r}")
-        raw = p.read_text(encoding="utf-8")
-    try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        raise InputError(f"{what}: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise InputError(f"{what}: expected a JSON object")
-    return obj
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def read_trace(path: str) -> list[dict[str, Any]]:
-    """The requests of a Mooncake JSON-lines trace, validated."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"trace {path}: no such file")
-    rows: list[dict[str, Any]] = []
-    try:
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"trace {path} line {n}"
-                try:
-                    obj = json.loads(line)
-                except ValueError as exc:
-                    raise InputError(f"{where}: not JSON ({exc.msg})") from None
-                if not isinstance(obj, dict):
-                    raise InputError(f"{where}: expected a JSON object")
-                ts = obj.get("timestamp")
-                if not _is_number(ts) or ts < 0:
-                    raise InputError(f"{where}: timestamp must be a number of ms >= 0")
-                for key in ("input_length", "output_length"):
-                    v = obj.get(key)
-                    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                        raise InputError(f"{where}: {key} must be a whole number >= 1")
-                ids = obj.get("hash_ids")
-                if ids is not None and (
-                    not isinstance(ids, list)
-                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-                ):
-                    raise InputError(f"{where}: hash_ids must be a list of integers")
-                rows.append(obj)
-    except UnicodeDecodeError as exc:
-        raise InputError(f"trace {path}: not UTF-8 text ({exc.reason})") from None
-    if not rows:
-        raise InputError(f"trace {path}: no requests")
-    return rows
-
-
-def merge_traces(traces: Sequence[Sequence[Mapping[str, Any]]], out: Path) -> None:
-    """Several traces replayed together: one file ordered by arrival time.
-
-    The simulator takes exactly one Mooncake file. ``hash_ids`` are kept as they are (they name block
-    contents, so equal ids across files are shared prefixes).
-    """
-    merged = sorted(
-        (row for rows in traces for row in rows),
-        key=lambda r: float(r["timestamp"]),
-    )
-    with out.open("w", encoding="utf-8") as f:
-        for row in merged:
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-
-
-def engine_args(given: Mapping[str, Any], pool: str, startup_s: float | None) -> dict[str, Any]:
-    """The mocker config of one pool: worker_type set, --startup-time applied, checked by the mocker."""
-    from dynamo._core import _normalize_mocker_config
-
-    what = f"{pool}-engine-args"
-    args: dict[str, Any] = json.loads(json.dumps(given))  # a deep copy
-    engine = args.setdefault("engine", {})
-    if not isinstance(engine, dict):
-        raise InputError(f"{what}: engine must be a JSON object")
-    kind = engine.setdefault("worker_type", pool)
-    if kind != pool:
-        raise InputError(f"{what}: engine.worker_type is {kind!r}, this pool is {pool!r}")
-    if startup_s is not None:
-        args["startup_time"] = startup_s
-    try:
-        _normalize_mocker_config(args)
-    except (ValueError, TypeError) as exc:
-        raise InputError(f"{what}: {str(exc).strip().splitlines()[0]}") from None
-    return args
-
-
-def parse_fleet(text: str) -> tuple[int, int]:
-    parts = text.split(",")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        p, d = int(parts[0]), int(parts[1])
-    except ValueError:
-        raise InputError(f"initial: expected P,D (two whole numbers), got {text!r}") from None
-    if p < 1 or d < 1:
-        raise InputError(f"initial: a disaggregated fleet needs at least one worker per pool, got {text!r}")
-    return p, d
 
 
 def planner_config(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -430,21 +338,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             math.isfinite(args.startup_time) and args.startup_time >= 0
         ):
             raise InputError(f"startup-time: must be >= 0, got {args.startup_time:g}")
-        traces = [read_trace(t) for t in args.trace]
-        prefill = engine_args(
-            parse_json_arg(args.prefill_engine_args, "prefill-engine-args"), "prefill", args.startup_time
+        horizon_s = max(_inputs.check_trace(t) for t in args.trace)
+        prefill = _inputs.engine_args(
+            _inputs.parse_json_arg(args.prefill_engine_args, "prefill-engine-args"),
+            "prefill",
+            args.startup_time,
         )
-        decode = engine_args(
-            parse_json_arg(args.decode_engine_args, "decode-engine-args"), "decode", args.startup_time
+        decode = _inputs.engine_args(
+            _inputs.parse_json_arg(args.decode_engine_args, "decode-engine-args"), "decode", args.startup_time
         )
-        initial = parse_fleet(args.initial)
-        overrides = parse_json_arg(args.planner_config, "planner-config") if args.planner_config else {}
+        initial = _inputs.parse_fleet(args.initial, "initial")
+        overrides = (
+            _inputs.parse_json_arg(args.planner_config, "planner-config") if args.planner_config else {}
+        )
         cfg = planner_config(overrides)
     except InputError as exc:
         print(f"run.py: {exc}", file=sys.stderr)
         return 2
 
-    horizon_s = max(float(r["timestamp"]) for rows in traces for r in rows) / 1000.0
     work = Path(tempfile.mkdtemp(prefix="upstream-planner-"))
     keep_reports = "report_output_dir" in overrides
     if not keep_reports:
@@ -453,14 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(args.trace) == 1:
             trace_file = str(Path(args.trace[0]).resolve())
         else:
-            trace_file = str(work / "merged.jsonl")
-            merge_traces(traces, Path(trace_file))
+            trace_file = str(_inputs.merge_traces(list(args.trace), work / "merged.jsonl"))
         from dynamo.replay import run_trace_replay
 
         progress = Progress(horizon_s, enabled=not args.quiet)
-        progress.say(
-            f"replaying {sum(len(t) for t in traces)} requests (~{horizon_s:.0f} s of traffic) with upstream's planner"
-        )
+        progress.say(f"replaying ~{horizon_s:.0f} s of traffic with upstream's planner")
         undo = progress.hook()
         t0 = time.monotonic()
         try:
