@@ -275,12 +275,17 @@ def _project(
     return slope, demand + growth, samples
 
 
+def _capacity_unknown(pool: PoolObs, field: str) -> Sizing | None:
+    """Hold, naming the first engine whose capacity does not say ``field`` (no guessing at load)."""
+    missing = next((e.worker_id for e in pool.engines if not getattr(e.capacity, field)), None)
+    return None if missing is None else Sizing("hold", f"capacity unknown ({field}) for worker {missing}")
+
+
 def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     pool, cfg = view.pool, view.cfg
     th = cfg.effective_thresholds()
-    missing = [e.worker_id for e in pool.engines if not e.capacity.kv_tokens]
-    if missing:
-        return Sizing("hold", f"capacity unknown (kv_tokens) for worker {missing[0]}"), view.state
+    if (unknown := _capacity_unknown(pool, "kv_tokens")) is not None:
+        return unknown, view.state
     up, down, target = th.decode_up, th.decode_down, th.decode_target
     loads: list[float] = []
     transfer = waiting = bound = 0
@@ -332,9 +337,8 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     """
     pool, cfg = view.pool, view.cfg
     th = cfg.effective_thresholds()
-    missing = [e.worker_id for e in pool.engines if not e.capacity.context_length]
-    if missing:
-        return Sizing("hold", f"capacity unknown (context_length) for worker {missing[0]}"), view.state
+    if (unknown := _capacity_unknown(pool, "context_length")) is not None:
+        return unknown, view.state
     up, down, target = th.prefill_up, th.prefill_down, th.prefill_target
     queued = [float(e.record.queued_requests.sum_prefill_tokens) for e in pool.engines]
     loads = [q / e.capacity.context_length for q, e in zip(queued, pool.engines, strict=True)]  # type: ignore[operator]
