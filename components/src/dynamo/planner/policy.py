@@ -415,15 +415,20 @@ def _size(
         needed_now = _needed_replicas(demand / target, pool)
         needed = max(_needed_replicas(projected / target, pool), needed_now)
         details["needed"] = needed
-    common = {
-        "load_max": mx,
-        "demand": None if demand is None else round(demand, 4),
-        "projected": None if projected is None else round(projected, 4),
-        "needed": needed,
-        "consolidated": cons if math.isfinite(cons) else None,
-        "slope": round(slope, 6),
-        "details": details,
-    }
+
+    def sizing(want: Want, why: str, n: int | None = needed) -> Sizing:
+        return Sizing(
+            want,
+            why,
+            load_max=mx,
+            demand=None if demand is None else round(demand, 4),
+            projected=None if projected is None else round(projected, 4),
+            needed=n,
+            consolidated=cons if math.isfinite(cons) else None,
+            slope=round(slope, 6),
+            details=details,
+        )
+
     # Starting replicas will take their share: the load of the busiest engine once they serve.
     spread = mx * pool.workers / max(pool.workers + view.starting, 1)
     over = spread >= up if name == "prefill" else spread > up
@@ -439,32 +444,32 @@ def _size(
         if projected is not None and demand is not None:
             why += f"; demand {demand:.2f} engines, {projected:.2f} expected in {view.lead_s:.0f}s"
             why += f" -> {n} replicas at {target:g}"
-        return Sizing("up", why + note, needed=n, **{k: v for k, v in common.items() if k != "needed"})
+        return sizing("up", why + note, n)
     if silent_busy:
         note += f" ({silent_busy:g} silent engines counted at {up:g})"
     if mx < down:
         limit = up * view.cfg.consolidation_headroom
         if slope > 0 and needed is not None and needed >= view.replicas:
             why = f"{name} load {mx:.2f} under {down:g} but rising: {needed} replicas needed within a startup"
-            return Sizing("steady", why + note, **common)
+            return sizing("steady", why + note)
         if cons < limit:
-            return Sizing(
+            return sizing(
                 "down",
                 f"{name} load {mx:.2f} under {down:g}; on {remaining:g} engines {cons:.2f} < {limit:.2f}{note}",
-                **common,
             )
         if remaining <= 0:
             why = f"{name} load {mx:.2f} under {down:g}; a single replica, nothing to consolidate"
         else:
             why = f"{name} load {mx:.2f} under {down:g} but on {remaining:g} engines it would be {cons:.2f} >= {limit:.2f}"
-        return Sizing("steady", why + note, **common)
-    return Sizing("steady", f"{name} load {mx:.2f} within [{down:g}, {up:g}]{note}", **common)
+        return sizing("steady", why + note)
+    return sizing("steady", f"{name} load {mx:.2f} within [{down:g}, {up:g}]{note}")
 
 
 def _sla_sizing(view: PoolView) -> Sizing:
     """``target: sla``: the online latency models predict TTFT / ITL per engine; one step at a time."""
     pool, cfg = view.pool, view.cfg
     fit = pool.latency
+    assert fit is not None  # pool_sizing falls back to the thresholds without a model
     engines = pool.engines
     n = len(engines)
     head = cfg.sla.headroom

@@ -13,9 +13,8 @@ from typing import Any
 
 from ..connector_base import ConnectorStatus, PoolStatus
 from ..observations import Capacity
+from ..policy import POOLS
 from .records import worker_id
-
-POOLS = ("prefill", "decode")
 
 
 class SimulatorConnector:

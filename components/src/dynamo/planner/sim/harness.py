@@ -226,7 +226,7 @@ def _static_ticks(result: Any, fleet: tuple[int, int]) -> list[dict[str, Any]]:
 
 
 def _requests(per_request: Sequence[Mapping[str, Any]] | None, spec: SimSpec) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for r in per_request or ():
         ttft, itl = r.get("ttft_ms"), r.get("itl_ms")
         ok = ttft is not None and ttft <= spec.sla_ttft_ms and (itl is None or itl <= spec.sla_itl_ms)
@@ -238,7 +238,7 @@ def _requests(per_request: Sequence[Mapping[str, Any]] | None, spec: SimSpec) ->
                 "ok": ok,
             }
         )
-    out.sort(key=lambda r: r["arrival_s"])
+    out.sort(key=lambda r: float(r["arrival_s"]))
     return out
 
 

@@ -35,7 +35,7 @@ def check_trace(path: str) -> float:
                     continue
                 try:
                     obj = json.loads(line)
-                except ValueError as exc:
+                except json.JSONDecodeError as exc:
                     raise SimInputError(f"trace {path} line {n}: not JSON ({exc.msg})") from None
                 _check_request(obj, f"trace {path} line {n}")
                 last_ms = max(last_ms, float(obj["timestamp"]))

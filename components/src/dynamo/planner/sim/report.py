@@ -22,7 +22,7 @@ import math
 import os
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -133,7 +133,7 @@ def _action_markers(axes: Iterable[Axes], actions: Sequence[Mapping[str, Any]]) 
     alpha = 0.6 if len(actions) <= 60 else 0.3  # hundreds of markers must not hide the curves
     for (pool, up), times in sorted(groups.items()):
         colour = COLOURS.get(pool, "#555")
-        style = "-" if up else ":"
+        style: Literal["-", ":"] = "-" if up else ":"
         for ax in axes:
             ax.vlines(
                 times,
