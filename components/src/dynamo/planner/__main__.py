@@ -246,6 +246,7 @@ async def run_planner(
         cfg.namespace, endpoint=cfg.endpoint, nats_url=cfg.nats_url, stale_after=cfg.stale_after_s
     )
     tracker.add_listener(planner.on_record)
+    planner.transport = tracker.transport
     try:
         try:
             await tracker.start()

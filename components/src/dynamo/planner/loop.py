@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dynamo.common.rate_limited_log import RateLimitedWarning
+from dynamo.common.transport_state import TransportSnapshot
+
 from .config import PlannerConfig
 from .connector_base import Connector, ConnectorStatus
 from .decision_log import DecisionLog, lines
@@ -44,6 +47,7 @@ class Planner:
         log: DecisionLog | None = None,
         metrics: PlannerMetrics | None = None,
         cards: dict[str, Any] | None = None,
+        transport: Callable[[], TransportSnapshot] | None = None,
     ) -> None:
         self.cfg = cfg
         self.connector = connector
@@ -61,6 +65,9 @@ class Planner:
         self._restarts: dict[Any, int] = {}
         self._listeners: list[Callable[[Decision], None]] = []
         self._carded: dict[str, set[str]] = {}
+        # The FPM transport's state (the tracker's ``transport``), for the metrics; None = not known.
+        self.transport = transport
+        self._warn = RateLimitedWarning(logger, "planner rejected an FPM record")
 
     # ------------------------------------------------------------------ observe
     def on_record(self, worker: Any, subject: str = "") -> None:
@@ -74,6 +81,8 @@ class Planner:
         restarted = worker.restarts > self._restarts.get(key, worker.restarts)
         self._restarts[key] = worker.restarts
         outcome = self.book.ingest(pool, worker.record, self.clock(), restarted=restarted)
+        if outcome.startswith("rejected"):
+            self._warn.warn(outcome.split(": ", 1)[-1])
         if self.metrics is not None:
             self.metrics.records.labels(outcome.split(":")[0]).inc()
 
@@ -146,6 +155,8 @@ class Planner:
                 decision.pool(p).desired * self.cfg.pool(p).gpus_per_replica for p in ("prefill", "decode")
             )
             self.metrics.observe(decision, gpus, spent)
+            if self.transport is not None:
+                self.metrics.observe_transport(self.transport())
         if self.cfg.tui:
             sys.stderr.write(
                 CLEAR

@@ -29,6 +29,8 @@ from dynamo.common.nats_options import (
     nats_url_from_env,
     redact_url,
 )
+from dynamo.common.rate_limited_log import DEFAULT_INTERVAL_S, RateLimitedWarning
+from dynamo.common.transport_state import TransportSnapshot, TransportState
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class FpmTracker:
         nats_url: str | None = None,
         stale_after: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        warn_interval: float = DEFAULT_INTERVAL_S,
     ) -> None:
         self.namespace = namespace
         self.component = component
@@ -118,6 +121,10 @@ class FpmTracker:
         self._stats = TrackerStats()
         self._nc: Any = None
         self._sub: Any = None
+        self._transport: TransportState | None = None
+        self._warn = RateLimitedWarning(
+            logger, f"FPM tracker ({namespace}) rejected a message", interval_s=warn_interval
+        )
 
     # ----------------------------------------------------------------- pure part
     def handle_message(self, subject: str, data: bytes) -> None:
@@ -132,14 +139,17 @@ class FpmTracker:
             or (self.endpoint is not None and parsed.endpoint != self.endpoint)
         ):
             st.wrong_subject += 1
+            self._warn.warn("wrong_subject")
             return
         try:
             env = decode_envelope(data)
         except Exception:
             st.malformed_envelope += 1
+            self._warn.warn("malformed_envelope")
             return
         if env.topic != FPM_TOPIC:
             st.wrong_topic += 1
+            self._warn.warn("wrong_topic")
             return
         try:
             record = _record_decoder.decode(env.payload)
@@ -150,14 +160,18 @@ class FpmTracker:
                 version = FPM_VERSION
             if version != FPM_VERSION:
                 st.wrong_version += 1
+                self._warn.warn("wrong_version")
             else:
                 st.malformed_record += 1
+                self._warn.warn("malformed_record")
             return
         if record.version != FPM_VERSION:
             st.wrong_version += 1
+            self._warn.warn("wrong_version")
             return
         if not record.worker_id:
             st.missing_worker_id += 1
+            self._warn.warn("missing_worker_id")
             return
         key = WorkerKey(parsed.component, parsed.endpoint, record.worker_id, record.dp_rank)
         worker = self._apply(key, record, env.publisher_id, env.published_at)
@@ -246,6 +260,12 @@ class FpmTracker:
     def connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
 
+    def transport(self) -> TransportSnapshot:
+        """Connected or not, outages so far, and how long the current one has lasted."""
+        if self._transport is None:
+            return TransportSnapshot(False, 0, 0.0)
+        return self._transport.snapshot()
+
     async def start(self, timeout: float = 5.0) -> None:
         """Connect (env auth/TLS options) and subscribe.
 
@@ -256,6 +276,7 @@ class FpmTracker:
 
         url = self.nats_url or nats_url_from_env()
         nc = nats.NATS()
+        transport = TransportState(logger, f"FPM tracker ({self.namespace})", redact_url(url))
 
         async def on_error(exc: Exception) -> None:
             if isinstance(exc, nats.errors.SlowConsumerError):
@@ -265,6 +286,11 @@ class FpmTracker:
 
         async def on_reconnect() -> None:
             self._stats.reconnects += 1
+            transport.up("subscription restored")
+
+        async def on_disconnect() -> None:
+            if self._nc is not None:  # not our own stop()
+                transport.down(detail="records stop until it is back; engines age towards stale meanwhile")
 
         try:
             await asyncio.wait_for(
@@ -277,6 +303,7 @@ class FpmTracker:
                     reconnect_time_wait=0.5,
                     error_cb=on_error,
                     reconnected_cb=on_reconnect,
+                    disconnected_cb=on_disconnect,
                     **nats_connect_options_from_env(),
                 ),
                 timeout,
@@ -293,6 +320,8 @@ class FpmTracker:
         async def on_msg(msg: Any) -> None:
             self.handle_message(msg.subject, msg.data)
 
+        transport.up()
+        self._transport = transport
         self._nc = nc
         self._sub = await nc.subscribe(
             self.subscription, cb=on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=512 * 1024 * 1024
@@ -301,6 +330,7 @@ class FpmTracker:
 
     async def stop(self) -> None:
         nc, self._nc, self._sub = self._nc, None, None
+        self._warn.flush()
         if nc is None:
             return
         try:
