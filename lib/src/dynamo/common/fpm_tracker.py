@@ -16,13 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import msgspec
 from dynamo.common.forward_pass_metrics import FPM_VERSION, ForwardPassMetrics
 from dynamo.common.fpm_subjects import FPM_TOPIC, decode_envelope, fpm_subscription, parse_fpm_subject
+from dynamo.common.fpm_validate import record_problem, subject_problem
 from dynamo.common.nats_options import (
     nats_connect_options_from_env,
     nats_servers,
@@ -67,6 +69,9 @@ class TrackerStats:
     wrong_subject: int = 0  # not an FPM subject of our namespace / filters
     wrong_topic: int = 0
     missing_worker_id: int = 0  # empty worker_id: never tracked (it would shadow every worker)
+    invalid_record: int = 0  # outside the bounds of fpm_validate (reasons in invalid_reasons)
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
+    evicted: int = 0  # engines dropped because max_engines were tracked (the stalest first)
     duplicates: int = 0  # same publisher and counter_id again
     gaps: int = 0
     restarts: int = 0
@@ -82,6 +87,7 @@ class TrackerStats:
             + self.wrong_subject
             + self.wrong_topic
             + self.missing_worker_id
+            + self.invalid_record
         )
 
 
@@ -108,6 +114,9 @@ class FpmTracker:
         stale_after: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         warn_interval: float = DEFAULT_INTERVAL_S,
+        max_engines: int = 10_000,
+        pending_msgs_limit: int = 262_144,
+        pending_bytes_limit: int = 64 * 1024 * 1024,
     ) -> None:
         self.namespace = namespace
         self.component = component
@@ -116,7 +125,14 @@ class FpmTracker:
         self.nats_url = nats_url
         self.stale_after = stale_after
         self.clock = clock
-        self._workers: dict[WorkerKey, TrackedWorker] = {}
+        if max_engines < 1:
+            raise ValueError("max_engines must be >= 1")
+        self.max_engines = max_engines
+        # nats-py's buffer of messages not yet handled: beyond it messages are dropped (slow_consumer).
+        self.pending_msgs_limit = pending_msgs_limit
+        self.pending_bytes_limit = pending_bytes_limit
+        # Least recently updated first: the stalest is evicted when max_engines are tracked.
+        self._workers: OrderedDict[WorkerKey, TrackedWorker] = OrderedDict()
         self._listeners: list[Listener] = []
         self._stats = TrackerStats()
         self._nc: Any = None
@@ -173,6 +189,12 @@ class FpmTracker:
             st.missing_worker_id += 1
             self._warn.warn("missing_worker_id")
             return
+        problem = record_problem(record) or subject_problem(parsed.component, parsed.endpoint)
+        if problem is not None:
+            st.invalid_record += 1
+            st.invalid_reasons[problem] = st.invalid_reasons.get(problem, 0) + 1
+            self._warn.warn(problem)
+            return
         key = WorkerKey(parsed.component, parsed.endpoint, record.worker_id, record.dp_rank)
         worker = self._apply(key, record, env.publisher_id, env.published_at)
         if worker is None:
@@ -193,6 +215,9 @@ class FpmTracker:
         timing = record if record.wall_time > 0 else None
         worker = self._workers.get(key)
         if worker is None:
+            while len(self._workers) >= self.max_engines:
+                self._workers.popitem(last=False)
+                self._stats.evicted += 1
             worker = TrackedWorker(
                 key=key,
                 record=record,
@@ -217,6 +242,7 @@ class FpmTracker:
             missing = counter - last - 1
             worker.gaps += missing
             self._stats.gaps += missing
+        self._workers.move_to_end(key)
         worker.record = record
         worker.received_at = now
         worker.published_at_ms = published_at
@@ -253,7 +279,11 @@ class FpmTracker:
         self._workers.pop(key, None)
 
     def stats(self) -> TrackerStats:
-        return replace(self._stats)
+        return replace(self._stats, invalid_reasons=dict(self._stats.invalid_reasons))
+
+    def __len__(self) -> int:
+        """Engines tracked now (at most ``max_engines``)."""
+        return len(self._workers)
 
     # ----------------------------------------------------------------- NATS
     @property
@@ -324,7 +354,10 @@ class FpmTracker:
         self._transport = transport
         self._nc = nc
         self._sub = await nc.subscribe(
-            self.subscription, cb=on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=512 * 1024 * 1024
+            self.subscription,
+            cb=on_msg,
+            pending_msgs_limit=self.pending_msgs_limit,
+            pending_bytes_limit=self.pending_bytes_limit,
         )
         await nc.flush()
 
