@@ -188,3 +188,18 @@ async def test_malformed_flood_over_nats_is_one_warning(
     assert len(lines) == 2, lines
     assert "699 more suppressed" in lines[1] and "malformed_envelope" in lines[1]
     time.sleep(0)
+
+
+async def test_unencodable_records_warn_rate_limited(
+    nats_server: EmbeddedNatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "dynamo.common.fpm_publisher")
+    pub = FpmDirectPublisher(namespace=NS, component="backend", worker_id="bad", nats_url=nats_server.url)
+    try:
+        for _ in range(100):
+            pub.publish("not a record")  # type: ignore[arg-type]
+        assert await wait_until(lambda: pub.stats().dropped >= 100, timeout=10)
+    finally:
+        pub.close()
+    lines = [r.getMessage() for r in caplog.records if "dropped a record" in r.getMessage()]
+    assert len(lines) == 1 and "unencodable record" in lines[0]

@@ -58,6 +58,7 @@ from dynamo.common.nats_options import (
     nats_url_from_env,
     redact_url,
 )
+from dynamo.common.rate_limited_log import RateLimitedWarning
 from dynamo.common.transport_state import TransportState
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class FpmDirectPublisher:
             logger, f"FPM publisher {worker_id}/{dp_rank}", redact_url(self.nats_url)
         )
         self._last_error: str | None = None
+        self._warn = RateLimitedWarning(logger, f"FPM publisher {worker_id}/{dp_rank} dropped a record")
         self._closing = False
         self._parked = False
         self._wake = threading.Lock()  # held by the sender's side; publish() releases it to unpark
@@ -392,6 +394,7 @@ class FpmDirectPublisher:
                 lost += 1
                 counter += 1
                 self._last_error = f"unencodable record: {exc!r}"[:300]
+                self._warn.warn("unencodable record")
                 continue
             env = encode_env(EventEnvelope(pid, seq, now_ms, FPM_TOPIC, payload))
             n = len(env)
