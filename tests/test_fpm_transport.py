@@ -203,3 +203,57 @@ async def test_unencodable_records_warn_rate_limited(
         pub.close()
     lines = [r.getMessage() for r in caplog.records if "dropped a record" in r.getMessage()]
     assert len(lines) == 1 and "unencodable record" in lines[0]
+
+
+def test_transport_health_settings() -> None:
+    from dynamo.vllm.health import transport_health_from_env
+
+    assert transport_health_from_env({}) == ("report", 5.0)
+    assert transport_health_from_env(
+        {"DYN_FPM_TRANSPORT_HEALTH": "gate", "DYN_FPM_TRANSPORT_GRACE": "2"}
+    ) == (
+        "gate",
+        2.0,
+    )
+    with pytest.raises(ValueError, match="DYN_FPM_TRANSPORT_HEALTH='strict'"):
+        transport_health_from_env({"DYN_FPM_TRANSPORT_HEALTH": "strict"})
+    with pytest.raises(ValueError, match="DYN_FPM_TRANSPORT_GRACE='-1'"):
+        transport_health_from_env({"DYN_FPM_TRANSPORT_GRACE": "-1"})
+
+
+async def test_gated_health_follows_a_real_outage(
+    fresh_nats_server: EmbeddedNatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DYN_FPM_TRANSPORT_HEALTH=gate: NotReady after the grace, Ready again when NATS is back."""
+    from dynamo.vllm.health import Readiness, gate_on_transport
+
+    caplog.set_level(logging.WARNING, "dynamo.vllm.health")
+    template = str(tmp_path / "fpm-{dp_rank}.json")
+    pub = FpmDirectPublisher(
+        namespace=NS,
+        component="backend",
+        worker_id="g",
+        nats_url=fresh_nats_server.url,
+        stats_file=template.format(dp_rank=0),
+    )
+    readiness = Readiness()
+    readiness.set(True)
+    collector = WorkerCollector(template, lambda: 0, readiness, {"worker_id": "g"})
+    gate = asyncio.ensure_future(gate_on_transport(readiness, collector.health, grace_s=1.0, poll_s=0.1))
+    try:
+        assert await wait_until(lambda: collector.health()["fpm_transport"] == "connected", timeout=10)
+        assert readiness.healthy()
+        fresh_nats_server.stop()
+        assert await wait_until(lambda: collector.health()["fpm_transport"] == "disconnected", timeout=10)
+        assert readiness.healthy()  # within the grace
+        assert await wait_until(lambda: not readiness.healthy(), timeout=10)
+        assert readiness()  # the engine itself is still ready (dynamo_worker_ready)
+        fresh_nats_server.start()
+        assert await wait_until(readiness.healthy, timeout=20)
+    finally:
+        gate.cancel()
+        pub.close()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert (
+        sum("health NotReady" in m for m in msgs) == 1 and sum("health Ready again" in m for m in msgs) == 1
+    )
