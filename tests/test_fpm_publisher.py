@@ -396,14 +396,15 @@ def test_nats_options_from_env(tmp_path: Path) -> None:
     assert nats_url_from_env({"NATS_SERVER": " nats://a:1 "}) == "nats://a:1"
     assert nats_servers("nats://a:1, nats://b:2") == ["nats://a:1", "nats://b:2"]
     assert nats_connect_options_from_env({}) == {}
+    # One method, in the runtime's order (user/password before token; tests/test_nats_names.py).
     opts = nats_connect_options_from_env({"NATS_USER": "u", "NATS_PASSWORD": "p", "NATS_TOKEN": "t"})
-    assert opts == {"user": "u", "password": "p", "token": "t"}
+    assert opts == {"user": "u", "password": "p"}
     creds = tmp_path / "x.creds"
     creds.write_text("-----BEGIN NATS USER JWT-----\n")
     assert nats_connect_options_from_env({"NATS_CREDS": str(creds)}) == {"user_credentials": str(creds)}
     with pytest.raises(ValueError, match="NATS_CREDS"):
         nats_connect_options_from_env({"NATS_CREDS": str(tmp_path / "missing.creds")})
-    with pytest.raises(ValueError, match="without NATS_USER"):
+    with pytest.raises(ValueError, match="NATS_PASSWORD is set without"):
         nats_connect_options_from_env({"NATS_PASSWORD": "p"})
     with pytest.raises(ValueError, match="together"):
         nats_connect_options_from_env({"NATS_TLS_CERT": "c.pem"})

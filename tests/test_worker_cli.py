@@ -74,6 +74,19 @@ def test_worker_bad_engine_wait_setting_exits_2_naming_it(tiny_model_dir: Path, 
     assert "Traceback" not in proc.stderr
 
 
+def test_worker_bad_transport_health_setting_exits_2_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    proc = _run(
+        "dynamo.vllm",
+        ["--model", str(tiny_model_dir), *ENGINE_FLAGS[:2]],
+        tmp_path,
+        DYN_FPM_TRANSPORT_HEALTH="strict",
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = _error_lines(proc, "dynamo.vllm")
+    assert len(errors) == 1 and "DYN_FPM_TRANSPORT_HEALTH='strict'" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_worker_help_documents_our_flags_and_vllms(tmp_path: Path) -> None:
     proc = _run("dynamo.vllm", ["--help"], tmp_path)
     assert proc.returncode == 0

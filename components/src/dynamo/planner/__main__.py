@@ -243,9 +243,14 @@ async def run_planner(
     log = DecisionLog(cfg.decision_log, stdout=cfg.json_stdout)
     planner = Planner(cfg, connector, log=log, metrics=metrics, cards=cards)
     tracker = FpmTracker(
-        cfg.namespace, endpoint=cfg.endpoint, nats_url=cfg.nats_url, stale_after=cfg.stale_after_s
+        cfg.namespace,
+        endpoint=cfg.endpoint,
+        nats_url=cfg.nats_url,
+        stale_after=cfg.stale_after_s,
+        max_engines=cfg.max_engines,
     )
     tracker.add_listener(planner.on_record)
+    planner.transport = tracker.transport
     try:
         try:
             await tracker.start()

@@ -161,6 +161,9 @@ class PlannerConfig:
     prefill_drain_s: float = 60.0
     # A worker that published nothing for this long is dropped.
     stale_after_s: float = 5.0
+    # Engines (worker_id, dp_rank) held per book, both pools together, and by the tracker; beyond that the
+    # stalest is evicted (counted). Bounds the planner's memory against floods of forged worker ids.
+    max_engines: int = 10_000
     # Observed workers != replicas: hold this long, then decide with missing workers counted against change.
     mismatch_grace_s: float = 30.0
     # A fresh (or restarted) worker's timing records feed the latency model only after this long ...
@@ -268,6 +271,7 @@ def _check(cfg: PlannerConfig) -> None:
     positive("expected_startup_s", cfg.expected_startup_s, allow_zero=True)
     positive("prefill_drain_s", cfg.prefill_drain_s)
     positive("stale_after_s", cfg.stale_after_s)
+    positive("max_engines", cfg.max_engines)
     positive("warmup_records", cfg.warmup_records, allow_zero=True)
     if not 0 < cfg.consolidation_headroom <= 1:
         raise ConfigError(f"consolidation_headroom: must be in (0, 1], got {cfg.consolidation_headroom}")

@@ -3,6 +3,11 @@
 Fields: ``time`` (UTC ISO-8601), ``ts`` (epoch seconds), ``tick``, ``pool``, ``current``,
 ``desired``, ``action`` (scale_up | scale_down | hold), ``reason``, ``signals`` (what the rule used),
 ``applied`` (sent to the connector), ``dry_run``.
+
+Size limit: a line is at most ``MAX_LINE_CHARS`` (16,384) characters. A longer one has its reason cut to
+``MAX_REASON_CHARS`` and every string in ``signals`` to ``MAX_SIGNAL_STR_CHARS`` (the cuts end in
+``...[truncated]``), then, if still too long, its signals replaced by ``{"truncated": true}``; such a
+line carries ``"truncated": true``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,52 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .policy import Decision, PoolDecision
+
+MAX_LINE_CHARS = 16_384
+MAX_REASON_CHARS = 1_000
+MAX_SIGNAL_STR_CHARS = 256
+MAX_SIGNAL_ITEMS = 64
+CUT = "...[truncated]"
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(0, limit - len(CUT))] + CUT
+
+
+def _shrink(v: Any) -> Any:
+    """Strings cut, long lists and mappings shortened (a forged worker id must not fill the log)."""
+    if isinstance(v, str):
+        return _cut(v, MAX_SIGNAL_STR_CHARS)
+    if isinstance(v, dict):
+        items = list(v.items())
+        out = {_cut(str(k), MAX_SIGNAL_STR_CHARS): _shrink(x) for k, x in items[:MAX_SIGNAL_ITEMS]}
+        if len(items) > MAX_SIGNAL_ITEMS:
+            out["truncated_items"] = len(items) - MAX_SIGNAL_ITEMS
+        return out
+    if isinstance(v, list | tuple):
+        out_list = [_shrink(x) for x in v[:MAX_SIGNAL_ITEMS]]
+        if len(v) > MAX_SIGNAL_ITEMS:
+            out_list.append(f"... {len(v) - MAX_SIGNAL_ITEMS} more")
+        return out_list
+    return v
+
+
+def _dump(e: dict[str, Any]) -> str:
+    return json.dumps(e, separators=(",", ":"), sort_keys=False)
+
+
+def bounded_line(e: dict[str, Any]) -> str:
+    """The entry as one JSON line of at most ``MAX_LINE_CHARS`` characters (see the module doc)."""
+    line = _dump(e)
+    if len(line) <= MAX_LINE_CHARS:
+        return line
+    e = dict(e, reason=_cut(str(e.get("reason", "")), MAX_REASON_CHARS), signals=_shrink(e.get("signals")))
+    e["truncated"] = True
+    line = _dump(e)
+    if len(line) <= MAX_LINE_CHARS:
+        return line
+    e["signals"] = {"truncated": True}
+    return _dump(e)
 
 
 def _clean(v: Any) -> Any:
@@ -45,10 +96,8 @@ def entry(pd: PoolDecision, *, ts: float, tick: int, applied: bool, dry_run: boo
 
 def lines(decision: Decision, *, ts: float, tick: int, applied: dict[str, bool], dry_run: bool) -> list[str]:
     return [
-        json.dumps(
-            entry(decision.pool(p), ts=ts, tick=tick, applied=applied.get(p, False), dry_run=dry_run),
-            separators=(",", ":"),
-            sort_keys=False,
+        bounded_line(
+            entry(decision.pool(p), ts=ts, tick=tick, applied=applied.get(p, False), dry_run=dry_run)
         )
         for p in ("prefill", "decode")
     ]

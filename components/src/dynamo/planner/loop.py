@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dynamo.common.rate_limited_log import RateLimitedWarning
+from dynamo.common.transport_state import TransportSnapshot
+
 from .config import PlannerConfig
 from .connector_base import Connector, ConnectorStatus
 from .decision_log import DecisionLog, lines
@@ -25,6 +28,8 @@ from .policy import POOLS, Decision, PolicyState, PoolName, decide, sent_now, se
 from .tui import CLEAR, render
 
 logger = logging.getLogger(__name__)
+
+REPOLL_S = 1.0  # a record from a worker id discovery does not list re-reads discovery at most this often
 
 
 def _target(state: PolicyState, decision: Decision, pool: PoolName) -> int:
@@ -44,6 +49,7 @@ class Planner:
         log: DecisionLog | None = None,
         metrics: PlannerMetrics | None = None,
         cards: dict[str, Any] | None = None,
+        transport: Callable[[], TransportSnapshot] | None = None,
     ) -> None:
         self.cfg = cfg
         self.connector = connector
@@ -61,6 +67,11 @@ class Planner:
         self._restarts: dict[Any, int] = {}
         self._listeners: list[Callable[[Decision], None]] = []
         self._carded: dict[str, set[str]] = {}
+        self._capped: dict[str, set[str]] = {}
+        self._last_poll: float | None = None
+        # The FPM transport's state (the tracker's ``transport``), for the metrics; None = not known.
+        self.transport = transport
+        self._warn = RateLimitedWarning(logger, "planner rejected an FPM record")
 
     # ------------------------------------------------------------------ observe
     def on_record(self, worker: Any, subject: str = "") -> None:
@@ -71,9 +82,29 @@ class Planner:
         pool = self.book.pool_of(key.component)
         if pool is None:
             return
+        now = self.clock()
+        listed = self.book.discovery(pool)
+        # A worker id discovery does not list may have registered since the last look: look again,
+        # at most once a second.
+        if (
+            listed is not None
+            and worker.record.worker_id not in listed
+            and (self._last_poll is None or now - self._last_poll >= REPOLL_S)
+        ):
+            self._poll_cards()
         restarted = worker.restarts > self._restarts.get(key, worker.restarts)
-        self._restarts[key] = worker.restarts
-        outcome = self.book.ingest(pool, worker.record, self.clock(), restarted=restarted)
+        outcome = self.book.ingest(pool, worker.record, now, restarted=restarted)
+        if outcome.startswith("rejected"):
+            self._warn.warn(outcome.split(": ", 1)[-1])
+        else:
+            self._restarts[key] = worker.restarts
+            if len(self._restarts) > 2 * max(1, self.cfg.max_engines):  # evicted or stale engines
+                self._restarts = {
+                    k: v
+                    for k, v in self._restarts.items()
+                    if (p := self.book.pool_of(k.component)) is not None
+                    and self.book.has(p, k.worker_id, k.dp_rank)
+                }
         if self.metrics is not None:
             self.metrics.records.labels(outcome.split(":")[0]).inc()
 
@@ -81,16 +112,35 @@ class Planner:
         self._listeners.append(fn)
 
     def _poll_cards(self) -> None:
-        """Capacity from model cards; a worker whose card vanished left discovery: drop it now."""
+        """Discovery and capacity from model cards; a worker whose card vanished left discovery: drop it now.
+
+        A source with ``listing()`` (the runtime's model cards) is a discovery source: only the worker ids
+        it lists move the planner (``WorkerBook.set_discovery``). A source with only ``poll()`` gives
+        capacity and nothing else is restricted (as without cards).
+        """
+        self._last_poll = self.clock()
+        block = self.cfg.capacity.kv_block_size
         for pool, source in self.cards.items():
-            caps = source.poll(self.cfg.capacity.kv_block_size)
-            for worker_id in self._carded.get(pool, set()) - caps.keys():
-                logger.info("%s worker %s left discovery", pool, worker_id)
-                self.book.set_card_capacity(pool, worker_id, None)
+            listing_of = getattr(source, "listing", None)
+            if listing_of is not None:
+                listing = listing_of(block)
+                if listing is None:  # discovery unreadable right now: keep what we knew
+                    continue
+                ids, caps = set(listing.worker_ids), listing.capacities
+            else:
+                caps = source.poll(block)
+                ids = set(caps)
+            for worker_id in self._carded.get(pool, set()) - ids:
+                logger.info("%s worker %.256s left discovery", pool, worker_id)
                 self.book.forget_worker(pool, worker_id)
+            for worker_id in self._capped.get(pool, set()) - caps.keys():
+                self.book.set_card_capacity(pool, worker_id, None)
             for worker_id, cap in caps.items():
                 self.book.set_card_capacity(pool, worker_id, cap)
-            self._carded[pool] = set(caps)
+            if listing_of is not None:
+                self.book.set_discovery(pool, ids)
+            self._carded[pool] = ids
+            self._capped[pool] = set(caps)
 
     # ------------------------------------------------------------------ decide + act
     async def tick(self) -> Decision:
@@ -146,6 +196,9 @@ class Planner:
                 decision.pool(p).desired * self.cfg.pool(p).gpus_per_replica for p in ("prefill", "decode")
             )
             self.metrics.observe(decision, gpus, spent)
+            self.metrics.evicted.set(self.book.stats.evicted)
+            if self.transport is not None:
+                self.metrics.observe_transport(self.transport())
         if self.cfg.tui:
             sys.stderr.write(
                 CLEAR

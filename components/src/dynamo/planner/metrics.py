@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dynamo.common.transport_state import TransportSnapshot
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from .policy import Decision
@@ -35,6 +36,32 @@ class PlannerMetrics:
         self.gpus = Gauge(
             "dynamo_planner_gpus_desired", "GPUs of the desired replicas, both pools", registry=r
         )
+        # The FPM transport as the planner's tracker sees it (same names as the worker's publisher side).
+        self.transport_connected = Gauge(
+            "dynamo_fpm_transport_connected",
+            "1 while the FPM transport (NATS) is connected",
+            ["role"],
+            registry=r,
+        )
+        self.transport_outages = Gauge(
+            "dynamo_fpm_transport_outages", "Losses of the FPM transport so far", ["role"], registry=r
+        )
+        self.transport_down = Gauge(
+            "dynamo_fpm_transport_down_seconds",
+            "How long the current FPM transport outage has lasted (0 while connected)",
+            ["role"],
+            registry=r,
+        )
+        self.evicted = Gauge(
+            "dynamo_planner_evicted_engines",
+            "Engines evicted from the planner's book because it was full (max_engines), so far",
+            registry=r,
+        )
+
+    def observe_transport(self, snap: TransportSnapshot, role: str = "tracker") -> None:
+        self.transport_connected.labels(role).set(1.0 if snap.connected else 0.0)
+        self.transport_outages.labels(role).set(snap.outages)
+        self.transport_down.labels(role).set(snap.down_s)
 
     def observe(self, d: Decision, gpus: int, seconds: float) -> None:
         self.decide_seconds.observe(seconds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from .observations import Capacity
 
@@ -54,6 +54,17 @@ def capacities_from_cards(
     return out
 
 
+class CardListing(NamedTuple):
+    """What discovery lists for one component: every worker id with a card, and the capacities stated."""
+
+    worker_ids: frozenset[str]
+    capacities: dict[str, Capacity]
+
+
+def listing_from_cards(cards: dict[str, str], default_block_size: int | None = None) -> CardListing:
+    return CardListing(frozenset(str(w) for w in cards), capacities_from_cards(cards, default_block_size))
+
+
 class ModelCardSource:
     """Polls the model cards of one component through the Dynamo runtime's discovery."""
 
@@ -62,6 +73,15 @@ class ModelCardSource:
 
         self._sub = FpmEventSubscriber(runtime.endpoint(f"{namespace}.{component}.{endpoint}"))
         self._sub.start_tracking()
+
+    def listing(self, default_block_size: int | None = None) -> CardListing | None:
+        """Every worker id discovery lists (the planner trusts only these), or None while discovery
+        cannot be read (the planner keeps what it knew)."""
+        try:
+            return listing_from_cards(self._sub.get_model_cards(), default_block_size)
+        except RuntimeError as exc:
+            logger.debug("model cards unavailable: %s", exc)
+            return None
 
     def poll(self, default_block_size: int | None = None) -> dict[str, Capacity]:
         try:

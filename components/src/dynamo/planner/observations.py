@@ -8,16 +8,18 @@ publishing, rejects malformed records (counted, with a reason), recognises resta
 
 from __future__ import annotations
 
-import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, is_heartbeat
+from dynamo.common.fpm_validate import record_problem as _record_problem
 
 from .config import PlannerConfig
 from .sla_model import LatencyModels, LinearFit
 
 POOLS: tuple[str, str] = ("prefill", "decode")
+NOT_IN_DISCOVERY = "not in discovery"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,40 +74,9 @@ class Observation:
         return self.prefill if name == "prefill" else self.decode
 
 
-def record_problem(r: ForwardPassMetrics) -> str | None:
-    """Why a record cannot be trusted, or None. Upstream planners froze on an empty worker_id."""
-    if not r.worker_id:
-        return "empty worker_id"
-    if r.dp_rank < 0:
-        return "negative dp_rank"
-    if not math.isfinite(r.wall_time) or r.wall_time < 0:
-        return "wall_time not a finite non-negative number"
-    s, q = r.scheduled_requests, r.queued_requests
-    for name in (
-        "num_prefill_requests",
-        "sum_prefill_tokens",
-        "sum_prefill_kv_tokens",
-        "num_decode_requests",
-        "sum_decode_kv_tokens",
-    ):
-        if getattr(s, name) < 0:
-            return f"negative scheduled {name}"
-    for name in ("num_prefill_requests", "sum_prefill_tokens", "num_decode_requests", "sum_decode_kv_tokens"):
-        if getattr(q, name) < 0:
-            return f"negative queued {name}"
-    parts = (
-        q.num_decode_kv_transfer_requests,
-        q.sum_decode_kv_transfer_tokens,
-        q.num_decode_kv_ready_requests,
-        q.sum_decode_kv_ready_tokens,
-    )
-    if any(p is not None and p < 0 for p in parts):
-        return "negative decode transfer/ready split"
-    if (q.num_decode_kv_transfer_requests or 0) + (
-        q.num_decode_kv_ready_requests or 0
-    ) > q.num_decode_requests:
-        return "decode transfer + ready requests exceed queued decode requests"
-    return None
+def record_problem(r: ForwardPassMetrics, kv_tokens: int | None = None) -> str | None:
+    """Why a record cannot be trusted, or None: the bounds of ``dynamo.common.fpm_validate`` (one place)."""
+    return _record_problem(r, kv_tokens=kv_tokens)
 
 
 @dataclass(slots=True)
@@ -126,6 +97,7 @@ class BookStats:
     restarts: int = 0
     gaps: int = 0
     dropped_stale: int = 0
+    evicted: int = 0  # engines dropped because the book held max_engines (the stalest first)
 
 
 class WorkerBook:
@@ -137,8 +109,45 @@ class WorkerBook:
         self._cards: dict[str, dict[str, Capacity]] = {p: {} for p in POOLS}
         self._merged: dict[str, dict[str, Capacity]] = {p: {} for p in POOLS}
         self._rejected_since_snapshot: dict[str, int] = {p: 0 for p in POOLS}
+        # Worker ids discovery lists per pool; None = no discovery source: every valid record counts.
+        self._discovery: dict[str, frozenset[str] | None] = {p: None for p in POOLS}
+        # Every engine of both pools, least recently updated first (eviction when max_engines is reached).
+        self._recency: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self.models = LatencyModels(cfg.sla.window)
         self.stats = BookStats()
+
+    def set_discovery(self, pool: str, worker_ids: frozenset[str] | set[str] | None) -> None:
+        """The worker ids discovery vouches for (None: no discovery source). Records of others are
+        rejected as "not in discovery"; engines already held that are no longer listed are dropped."""
+        listed = None if worker_ids is None else frozenset(worker_ids)
+        self._discovery[pool] = listed
+        if listed is not None:
+            for worker_id in {k[0] for k in self._engines[pool]} - listed:
+                self.forget_worker(pool, worker_id)
+
+    def discovery(self, pool: str) -> frozenset[str] | None:
+        return self._discovery[pool]
+
+    def engines_held(self) -> int:
+        return len(self._recency)
+
+    def has(self, pool: str, worker_id: str, dp_rank: int) -> bool:
+        return (worker_id, dp_rank) in self._engines[pool]
+
+    def _kv_tokens(self, pool: str, worker_id: str) -> int | None:
+        """KV capacity for validation, without caching anything for ids the book does not hold."""
+        card = self._cards[pool].get(worker_id)
+        return (card.kv_tokens if card is not None else None) or self.cfg.capacity.kv_tokens
+
+    def _reject(self, pool: str, problem: str) -> str:
+        self.stats.rejected[problem] = self.stats.rejected.get(problem, 0) + 1
+        self._rejected_since_snapshot[pool] += 1
+        return "rejected: " + problem
+
+    def _evict_stalest(self) -> None:
+        (pool, worker_id, dp_rank), _ = self._recency.popitem(last=False)
+        self._engines[pool].pop((worker_id, dp_rank), None)
+        self.stats.evicted += 1
 
     def pool_of(self, component: str) -> str | None:
         if component == self.cfg.prefill_component:
@@ -149,18 +158,24 @@ class WorkerBook:
 
     def ingest(self, pool: str, record: ForwardPassMetrics, now: float, *, restarted: bool = False) -> str:
         """Take one record (``restarted``: the subscriber saw a new publisher); returns what happened ("accepted", "heartbeat", "snapshot", "restart" or "rejected: ...")."""
-        problem = record_problem(record)
+        listed = self._discovery[pool]
+        if listed is not None and record.worker_id not in listed:
+            return self._reject(pool, NOT_IN_DISCOVERY)
+        problem = record_problem(record, self._kv_tokens(pool, record.worker_id))
         if problem is not None:
-            self.stats.rejected[problem] = self.stats.rejected.get(problem, 0) + 1
-            self._rejected_since_snapshot[pool] += 1
-            return "rejected: " + problem
+            return self._reject(pool, problem)
         key = (record.worker_id, record.dp_rank)
         engines = self._engines[pool]
         eng = engines.get(key)
         outcome = "accepted"
+        recency_key = (pool, record.worker_id, record.dp_rank)
         if eng is None:
+            while len(self._recency) >= max(1, self.cfg.max_engines):
+                self._evict_stalest()
             eng = engines[key] = _Engine(record, now, now)
+            self._recency[recency_key] = None
         else:
+            self._recency.move_to_end(recency_key)
             last = eng.record.counter_id
             if record.counter_id < last or restarted:
                 # A restarted publisher counts from zero again: a fresh engine, warm-up starts over.
@@ -193,6 +208,7 @@ class WorkerBook:
         engines = self._engines[pool]
         for key in [k for k in engines if k[0] == worker_id]:
             del engines[key]
+            self._recency.pop((pool, *key), None)
 
     def set_card_capacity(self, pool: str, worker_id: str, cap: Capacity | None) -> None:
         if cap is None:
@@ -249,6 +265,7 @@ class WorkerBook:
             out.append(EngineObs(key[0], key[1], eng.record, age, warm, cap_for(pool, key[0])))
         for key in stale:
             del engines[key]
+            self._recency.pop((pool, *key), None)
             self.stats.dropped_stale += 1
         workers = len({e.worker_id for e in out})
         rejected, self._rejected_since_snapshot[pool] = self._rejected_since_snapshot[pool], 0

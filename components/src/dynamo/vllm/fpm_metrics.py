@@ -1,22 +1,27 @@
-"""Prometheus metrics of the worker: the FPM publisher's counters, in-flight requests, readiness.
+"""Prometheus metrics and ``/health`` of the worker: the FPM publisher's counters and transport state,
+in-flight requests, readiness.
 
 The publisher runs inside vLLM's EngineCore process (one per data-parallel rank) and writes its counters
 as JSON to ``DYN_FPM_STATS_FILE`` about once a second; this collector reads those files at scrape time,
-so the worker process exports them without sharing memory with the engine.
+so the worker process exports them without sharing memory with the engine. A rank whose file is older
+than ``TRANSPORT_STALE_S`` reads as transport state ``unknown`` (its engine process stopped writing).
 """
 
 from __future__ import annotations
 
 import glob
+import http.server
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 PREFIX = "dynamo_worker"
@@ -27,6 +32,15 @@ _COUNTERS = {
     "reconnects": "NATS reconnects of the FPM publisher",
 }
 _RANK = re.compile(r"(\d+)")
+TRANSPORT_STALE_S = 5.0
+
+
+def transport_state(data: dict[str, Any], now: float, stale_after: float = TRANSPORT_STALE_S) -> str:
+    """``connected``, ``disconnected`` or ``unknown`` (stats file too old) for one rank's stats."""
+    updated = data.get("time") or data.get("_mtime") or 0.0
+    if now - float(updated) > stale_after:
+        return "unknown"
+    return "connected" if data.get("connected") else "disconnected"
 
 
 def read_stats(template: str) -> dict[int, dict[str, Any]]:
@@ -100,12 +114,62 @@ class WorkerCollector(Collector):
         yield queued
         yield connected
         yield age
+        role_names = [*rank_names, "role"]
+        t_connected = GaugeMetricFamily(
+            "dynamo_fpm_transport_connected",
+            "1 while the FPM transport (NATS) is connected (0 when disconnected or the state is unknown)",
+            labels=role_names,
+        )
+        t_outages = GaugeMetricFamily(
+            "dynamo_fpm_transport_outages", "Losses of the FPM transport so far", labels=role_names
+        )
+        t_down = GaugeMetricFamily(
+            "dynamo_fpm_transport_down_seconds",
+            "How long the current FPM transport outage has lasted (0 while connected)",
+            labels=role_names,
+        )
+        for rank, data in sorted(stats.items()):
+            labels = [*values, str(rank), "publisher"]
+            t_connected.add_metric(labels, 1.0 if transport_state(data, now) == "connected" else 0.0)
+            t_outages.add_metric(labels, float(data.get("outages") or 0))
+            t_down.add_metric(labels, float(data.get("down_s") or 0.0))
+        yield t_connected
+        yield t_outages
+        yield t_down
+
+    def health(self) -> dict[str, Any]:
+        """Readiness plus the FPM transport: ``off`` (FPM disabled), ``unknown`` (no rank reported
+        yet), ``connected`` (every rank), else ``disconnected`` (any rank disconnected or unknown)."""
+        now = time.time()
+        stats = read_stats(self.stats_template) if self.stats_template else {}
+        ranks = {
+            str(rank): {
+                "state": transport_state(data, now),
+                "down_s": float(data.get("down_s") or 0.0),
+                "outages": int(data.get("outages") or 0),
+            }
+            for rank, data in sorted(stats.items())
+        }
+        if not self.stats_template:
+            overall = "off"
+        elif not ranks:
+            overall = "unknown"
+        elif all(r["state"] == "connected" for r in ranks.values()):
+            overall = "connected"
+        else:
+            overall = "disconnected"
+        return {
+            "status": "ready" if self.ready() else "notready",
+            "fpm_transport": overall,
+            "fpm_ranks": ranks,
+        }
 
 
 class WorkerMetrics:
     """Owns the registry; serves it on a port and/or hands its text to the runtime's system server."""
 
     def __init__(self, collector: WorkerCollector) -> None:
+        self.collector = collector
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         self.port: int | None = None
@@ -115,8 +179,30 @@ class WorkerMetrics:
         return generate_latest(self.registry).decode()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Start the HTTP exporter (0 = a free port); returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Start the HTTP server (0 = a free port): ``/health`` as JSON (200 when ready, else 503),
+        every other path the Prometheus exposition. Returns the bound port."""
+        metrics_handler = MetricsHandler.factory(self.registry)
+        health = self.collector.health
+
+        class Handler(metrics_handler):  # type: ignore[misc,valid-type]
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] != "/health":
+                    return super().do_GET()
+                state = health()
+                body = json.dumps(state).encode()
+                self.send_response(200 if state["status"] == "ready" else 503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        server = http.server.ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, name="worker-metrics", daemon=True)
+        thread.start()
         self._server = server
         self.port = int(server.server_address[1])
         return self.port

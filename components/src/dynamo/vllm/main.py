@@ -28,7 +28,13 @@ from dynamo.vllm.drain import ExitCode, InflightTracker, drain
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.handlers import RequestHandler
-from dynamo.vllm.health import HEALTH_CHECK_PAYLOAD, Readiness, wait_engine_dead
+from dynamo.vllm.health import (
+    HEALTH_CHECK_PAYLOAD,
+    Readiness,
+    gate_on_transport,
+    transport_health_from_env,
+    wait_engine_dead,
+)
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -75,6 +81,8 @@ def prepare(config: WorkerConfig) -> Any:
 async def serve(config: WorkerConfig, vllm_config: Any) -> int:
     """Run the worker until a signal or an engine death; returns the process exit code."""
     from dynamo.runtime import DistributedRuntime
+
+    transport_mode, transport_grace = transport_health_from_env(os.environ)  # checked by main()
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -136,6 +144,9 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
     if config.metrics_port is not None:
         port = metrics.serve(config.metrics_port)
         log.info("Prometheus metrics on port %d", port)
+    gate: asyncio.Task[None] | None = None
+    if transport_mode == "gate" and config.fpm_enabled:
+        gate = loop.create_task(gate_on_transport(readiness, collector.health, grace_s=transport_grace))
 
     engine = None
     keepalive: FileDiscoveryKeepAlive | None = None
@@ -228,6 +239,8 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
             serve_task.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(serve_task, 5.0)
+        if gate is not None:
+            gate.cancel()
         metrics.close()
         shutil.rmtree(stats_dir, ignore_errors=True)
     return int(code)
@@ -245,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         fail(str(exc))
     config = parse_args(argv)
+    try:
+        transport_health_from_env(os.environ)
+    except ValueError as exc:
+        fail(str(exc))
     vllm_config = prepare(config)
     try:
         return asyncio.run(serve(config, vllm_config))

@@ -58,6 +58,8 @@ from dynamo.common.nats_options import (
     nats_url_from_env,
     redact_url,
 )
+from dynamo.common.rate_limited_log import RateLimitedWarning
+from dynamo.common.transport_state import TransportState
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,9 @@ class PublisherStats:
 
     ``published``: records from ``publish()`` handed to NATS; ``heartbeats``: idle heartbeats sent
     (not in ``published``); ``dropped``: records lost before NATS (queue overflow, NATS down at
-    close, unencodable); ``reconnects``: successful connections after the first; ``queued``: waiting.
+    close, unencodable); ``reconnects``: successful connections after the first; ``queued``: waiting;
+    ``outages``: times an established connection was lost; ``down_s``: how long the current outage
+    (or the wait for the first connection) has lasted, 0 while connected.
     """
 
     published: int
@@ -93,6 +97,8 @@ class PublisherStats:
     queued: int
     connected: bool
     last_error: str | None
+    outages: int = 0
+    down_s: float = 0.0
 
 
 def _reduce_timer_slack() -> None:
@@ -161,7 +167,11 @@ class FpmDirectPublisher:
         self._heartbeats = 0
         self._reconnects = 0
         self._connected = False
+        self._transport = TransportState(
+            logger, f"FPM publisher {worker_id}/{dp_rank}", redact_url(self.nats_url)
+        )
         self._last_error: str | None = None
+        self._warn = RateLimitedWarning(logger, f"FPM publisher {worker_id}/{dp_rank} dropped a record")
         self._closing = False
         self._parked = False
         self._wake = threading.Lock()  # held by the sender's side; publish() releases it to unpark
@@ -196,6 +206,7 @@ class FpmDirectPublisher:
         self._thread.start()
 
     def stats(self) -> PublisherStats:
+        transport = self._transport.snapshot()
         return PublisherStats(
             published=self._published,
             dropped=self._lost + self._overflow + self._unnoticed_drops(),
@@ -204,6 +215,8 @@ class FpmDirectPublisher:
             queued=len(self._q),
             connected=self._connected,
             last_error=self._last_error,
+            outages=transport.outages,
+            down_s=round(transport.down_s, 3),
         )
 
     def close(self, timeout: float = 2.0) -> None:
@@ -381,6 +394,7 @@ class FpmDirectPublisher:
                 lost += 1
                 counter += 1
                 self._last_error = f"unencodable record: {exc!r}"[:300]
+                self._warn.warn("unencodable record")
                 continue
             env = encode_env(EventEnvelope(pid, seq, now_ms, FPM_TOPIC, payload))
             n = len(env)
@@ -474,6 +488,17 @@ class _Connection:
         self.owner = owner
         self.nc: Any = None
         self._lost = asyncio.Event()
+        self._dropped_at_loss = 0
+
+    def _say_down(self, reason: str) -> None:
+        """Log the loss (once per outage: TransportState) and remember the drops so far."""
+        owner = self.owner
+        if owner._transport.connected:
+            self._dropped_at_loss = owner.stats().dropped
+        owner._transport.down(
+            reason,
+            f"keeping the newest {owner.max_queue} records to send when it is back",
+        )
 
     async def run(self) -> None:
         import nats  # deferred: keeps `import fpm_publisher` cheap in the engine process
@@ -504,6 +529,8 @@ class _Connection:
                 )
             except Exception as exc:
                 owner._last_error = f"connect to {redact_url(owner.nats_url)} failed: {exc!r}"[:300]
+                if not owner._closing:
+                    self._say_down(repr(exc)[:200])
                 await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(BACKOFF_MAX, backoff * 2)
                 continue
@@ -513,18 +540,24 @@ class _Connection:
             )
             owner._direct = type(getattr(nc, "_transport", None)).__name__ == "TcpTransport"
             owner._connected = True
+            dropped = owner.stats().dropped - self._dropped_at_loss
+            owner._transport.up(f"{dropped} records dropped meanwhile" if dropped else "no record dropped")
             if not first:
                 owner._reconnects += 1
             first = False
             backoff = BACKOFF_MIN
             await self._lost.wait()
             owner._connected = False
+            if not owner._closing:
+                self._say_down((owner._last_error or "")[:200])
             self.nc = None
             with contextlib.suppress(Exception):
                 await nc.close()
 
     async def _on_error(self, exc: Exception) -> None:
         self.owner._last_error = f"nats: {exc!r}"[:300]
+        if not self.owner._connected and not self.owner._closing:
+            self._say_down(repr(exc)[:200])  # nats-py retries inside connect(): say it once
 
     async def _on_lost(self) -> None:
         self.owner._connected = False

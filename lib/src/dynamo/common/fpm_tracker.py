@@ -16,19 +16,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import msgspec
 from dynamo.common.forward_pass_metrics import FPM_VERSION, ForwardPassMetrics
 from dynamo.common.fpm_subjects import FPM_TOPIC, decode_envelope, fpm_subscription, parse_fpm_subject
+from dynamo.common.fpm_validate import record_problem, subject_problem
 from dynamo.common.nats_options import (
     nats_connect_options_from_env,
     nats_servers,
     nats_url_from_env,
     redact_url,
 )
+from dynamo.common.rate_limited_log import DEFAULT_INTERVAL_S, RateLimitedWarning
+from dynamo.common.transport_state import TransportSnapshot, TransportState
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,9 @@ class TrackerStats:
     wrong_subject: int = 0  # not an FPM subject of our namespace / filters
     wrong_topic: int = 0
     missing_worker_id: int = 0  # empty worker_id: never tracked (it would shadow every worker)
+    invalid_record: int = 0  # outside the bounds of fpm_validate (reasons in invalid_reasons)
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
+    evicted: int = 0  # engines dropped because max_engines were tracked (the stalest first)
     duplicates: int = 0  # same publisher and counter_id again
     gaps: int = 0
     restarts: int = 0
@@ -80,6 +87,7 @@ class TrackerStats:
             + self.wrong_subject
             + self.wrong_topic
             + self.missing_worker_id
+            + self.invalid_record
         )
 
 
@@ -105,6 +113,10 @@ class FpmTracker:
         nats_url: str | None = None,
         stale_after: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        warn_interval: float = DEFAULT_INTERVAL_S,
+        max_engines: int = 10_000,
+        pending_msgs_limit: int = 262_144,
+        pending_bytes_limit: int = 64 * 1024 * 1024,
     ) -> None:
         self.namespace = namespace
         self.component = component
@@ -113,11 +125,22 @@ class FpmTracker:
         self.nats_url = nats_url
         self.stale_after = stale_after
         self.clock = clock
-        self._workers: dict[WorkerKey, TrackedWorker] = {}
+        if max_engines < 1:
+            raise ValueError("max_engines must be >= 1")
+        self.max_engines = max_engines
+        # nats-py's buffer of messages not yet handled: beyond it messages are dropped (slow_consumer).
+        self.pending_msgs_limit = pending_msgs_limit
+        self.pending_bytes_limit = pending_bytes_limit
+        # Least recently updated first: the stalest is evicted when max_engines are tracked.
+        self._workers: OrderedDict[WorkerKey, TrackedWorker] = OrderedDict()
         self._listeners: list[Listener] = []
         self._stats = TrackerStats()
         self._nc: Any = None
         self._sub: Any = None
+        self._transport: TransportState | None = None
+        self._warn = RateLimitedWarning(
+            logger, f"FPM tracker ({namespace}) rejected a message", interval_s=warn_interval
+        )
 
     # ----------------------------------------------------------------- pure part
     def handle_message(self, subject: str, data: bytes) -> None:
@@ -132,14 +155,17 @@ class FpmTracker:
             or (self.endpoint is not None and parsed.endpoint != self.endpoint)
         ):
             st.wrong_subject += 1
+            self._warn.warn("wrong_subject")
             return
         try:
             env = decode_envelope(data)
         except Exception:
             st.malformed_envelope += 1
+            self._warn.warn("malformed_envelope")
             return
         if env.topic != FPM_TOPIC:
             st.wrong_topic += 1
+            self._warn.warn("wrong_topic")
             return
         try:
             record = _record_decoder.decode(env.payload)
@@ -150,14 +176,24 @@ class FpmTracker:
                 version = FPM_VERSION
             if version != FPM_VERSION:
                 st.wrong_version += 1
+                self._warn.warn("wrong_version")
             else:
                 st.malformed_record += 1
+                self._warn.warn("malformed_record")
             return
         if record.version != FPM_VERSION:
             st.wrong_version += 1
+            self._warn.warn("wrong_version")
             return
         if not record.worker_id:
             st.missing_worker_id += 1
+            self._warn.warn("missing_worker_id")
+            return
+        problem = record_problem(record) or subject_problem(parsed.component, parsed.endpoint)
+        if problem is not None:
+            st.invalid_record += 1
+            st.invalid_reasons[problem] = st.invalid_reasons.get(problem, 0) + 1
+            self._warn.warn(problem)
             return
         key = WorkerKey(parsed.component, parsed.endpoint, record.worker_id, record.dp_rank)
         worker = self._apply(key, record, env.publisher_id, env.published_at)
@@ -179,6 +215,9 @@ class FpmTracker:
         timing = record if record.wall_time > 0 else None
         worker = self._workers.get(key)
         if worker is None:
+            while len(self._workers) >= self.max_engines:
+                self._workers.popitem(last=False)
+                self._stats.evicted += 1
             worker = TrackedWorker(
                 key=key,
                 record=record,
@@ -203,6 +242,7 @@ class FpmTracker:
             missing = counter - last - 1
             worker.gaps += missing
             self._stats.gaps += missing
+        self._workers.move_to_end(key)
         worker.record = record
         worker.received_at = now
         worker.published_at_ms = published_at
@@ -239,12 +279,22 @@ class FpmTracker:
         self._workers.pop(key, None)
 
     def stats(self) -> TrackerStats:
-        return replace(self._stats)
+        return replace(self._stats, invalid_reasons=dict(self._stats.invalid_reasons))
+
+    def __len__(self) -> int:
+        """Engines tracked now (at most ``max_engines``)."""
+        return len(self._workers)
 
     # ----------------------------------------------------------------- NATS
     @property
     def connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
+
+    def transport(self) -> TransportSnapshot:
+        """Connected or not, outages so far, and how long the current one has lasted."""
+        if self._transport is None:
+            return TransportSnapshot(False, 0, 0.0)
+        return self._transport.snapshot()
 
     async def start(self, timeout: float = 5.0) -> None:
         """Connect (env auth/TLS options) and subscribe.
@@ -256,6 +306,7 @@ class FpmTracker:
 
         url = self.nats_url or nats_url_from_env()
         nc = nats.NATS()
+        transport = TransportState(logger, f"FPM tracker ({self.namespace})", redact_url(url))
 
         async def on_error(exc: Exception) -> None:
             if isinstance(exc, nats.errors.SlowConsumerError):
@@ -265,6 +316,11 @@ class FpmTracker:
 
         async def on_reconnect() -> None:
             self._stats.reconnects += 1
+            transport.up("subscription restored")
+
+        async def on_disconnect() -> None:
+            if self._nc is not None:  # not our own stop()
+                transport.down(detail="records stop until it is back; engines age towards stale meanwhile")
 
         try:
             await asyncio.wait_for(
@@ -277,6 +333,7 @@ class FpmTracker:
                     reconnect_time_wait=0.5,
                     error_cb=on_error,
                     reconnected_cb=on_reconnect,
+                    disconnected_cb=on_disconnect,
                     **nats_connect_options_from_env(),
                 ),
                 timeout,
@@ -293,14 +350,20 @@ class FpmTracker:
         async def on_msg(msg: Any) -> None:
             self.handle_message(msg.subject, msg.data)
 
+        transport.up()
+        self._transport = transport
         self._nc = nc
         self._sub = await nc.subscribe(
-            self.subscription, cb=on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=512 * 1024 * 1024
+            self.subscription,
+            cb=on_msg,
+            pending_msgs_limit=self.pending_msgs_limit,
+            pending_bytes_limit=self.pending_bytes_limit,
         )
         await nc.flush()
 
     async def stop(self) -> None:
         nc, self._nc, self._sub = self._nc, None, None
+        self._warn.flush()
         if nc is None:
             return
         try:
