@@ -102,6 +102,7 @@ def main() -> int:
             sla_ttft_ms=args.sla_ttft_ms,
             sla_itl_ms=args.sla_itl_ms,
             trace_duration_s=check_trace(str(trace)),
+            initial=SCENARIOS[name].initial,
         )
         t0 = time.perf_counter()
         skey = f"static-{_key(trace, base)}"
@@ -126,13 +127,16 @@ def main() -> int:
                 sla_ttft_ms=base.sla_ttft_ms,
                 sla_itl_ms=base.sla_itl_ms,
                 trace_duration_s=base.trace_duration_s,
+                initial=base.initial,
             )
             ours = simulate(spec, cfg)["summary"]
             print(row(name, f"{startup:g}", "ours", ours, static_gpu_h), flush=True)
             results.append({"scenario": name, "startup_s": startup, "policy": "ours", **ours})
             if upstream_reason:
                 continue
-            key = f"{_key(trace, spec)}-{startup:g}"
+            key = f"{_key(trace, spec)}-{startup:g}" + (
+                "" if spec.initial == (1, 1) else f"-{spec.initial[0]},{spec.initial[1]}"
+            )
             if key not in cache:
                 t1 = time.perf_counter()
                 try:
@@ -143,6 +147,7 @@ def main() -> int:
                         startup_time_s=startup,
                         sla_ttft_ms=spec.sla_ttft_ms,
                         sla_itl_ms=spec.sla_itl_ms,
+                        initial=spec.initial,
                         planner_config=UPSTREAM_CONFIG,
                     )
                 except RuntimeError as exc:

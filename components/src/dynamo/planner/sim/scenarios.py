@@ -34,6 +34,8 @@ class Scenario:
     what: str
     phases: tuple[Phase, ...]
     spread: float = 0.15
+    # The fleet a deployment would run when the trace starts (prefill, decode): every policy starts there.
+    initial: tuple[int, int] = (1, 1)
 
     @property
     def duration_s(self) -> float:
@@ -104,6 +106,7 @@ SCENARIOS: dict[str, Scenario] = {
             "fleet-scale",
             "a fleet of 32-64 engines per pool at the peak: 60 -> 200 -> 60 req/s, ISL 6000, OSL 400",
             (Phase(120, 60, 6000, 400), Phase(240, 200, 6000, 400), Phase(180, 60, 6000, 400)),
+            initial=(12, 12),  # 60 req/s is not served by 1+1: start where a deployment would be
         ),
     )
 }
