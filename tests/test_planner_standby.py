@@ -163,6 +163,26 @@ async def test_standby_is_promoted_refilled_parked_and_stopped(tmp_path: Path, w
     assert all(not wp.alive for procs in c.procs.values() for wp in procs)
 
 
+async def test_no_standby_is_kept_beyond_the_pools_maximum(tmp_path: Path, worker: Path) -> None:
+    """A pool at its maximum could never promote a standby: none loads, and a scale-down parks instead."""
+    c = _connector(tmp_path, worker, standby_decode=1, max_decode=2, initial_decode=1)
+    await c.start()
+    try:
+        await _warm(c, "decode", 1)
+        first = c.standbys("decode")[0]
+        await c.apply(None, 2)  # the external worker + the promoted standby = the maximum
+        await _until(lambda: c.running("decode")[0].serving, "never served")
+        await asyncio.sleep(0.5)
+        st = await c.status()
+        assert st.decode == 2 and c.standbys("decode") == [] and st.decode_pool == PoolStatus(0, 0, 0)
+        await c.apply(None, 1)
+        assert first.role == "parking"  # room again: parked, not stopped
+        await _warm(c, "decode", 1)
+        assert c.standbys("decode") == [first] and c.exited == []
+    finally:
+        await c.close()
+
+
 async def test_a_standby_that_dies_is_replaced_after_a_pause(
     tmp_path: Path, worker: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

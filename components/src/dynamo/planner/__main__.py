@@ -188,6 +188,8 @@ async def build_connector(cfg: PlannerConfig, runtime: Any) -> Any:
             initial_decode=lc.initial_decode,
             standby_prefill=lc.standby_prefill,
             standby_decode=lc.standby_decode,
+            max_prefill=cfg.prefill.max_replicas,
+            max_decode=cfg.decode.max_replicas,
             adopt=lc.adopt,
         )
     from .connector_kubernetes import KubernetesConnector

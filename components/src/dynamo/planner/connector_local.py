@@ -9,7 +9,7 @@ placeholders ``{pool}``, ``{index}``, ``{port}`` (a free loopback port), ``{name
 Standbys (``standby_prefill`` / ``standby_decode``): that many extra workers per pool are started with
 ``DYN_VLLM_STANDBY=1``: loaded and warm, but not registered (no routing, no FPM) and not counted in the
 pool. A scale-up promotes one (``SIGUSR1``: it registers in well under a second) and starts a new standby
-in the background; a scale-down parks a serving worker as a standby (``SIGHUP``: it drains and
+in the background (never more standbys than the pool can still grow by, given ``max_*``); a scale-down parks a serving worker as a standby (``SIGHUP``: it drains and
 unregisters) when fewer than N are warm, else stops it. With standbys on, every worker is started that
 way (a new member is promoted as soon as it installed its signal handlers), so any of them can be parked.
 
@@ -140,6 +140,8 @@ class LocalConnector:
         initial_decode: int = 0,
         standby_prefill: int = 0,
         standby_decode: int = 0,
+        max_prefill: int | None = None,
+        max_decode: int | None = None,
         adopt: bool = True,
         env: dict[str, str] | None = None,
     ) -> None:
@@ -149,6 +151,8 @@ class LocalConnector:
         self.stop_timeout_s = stop_timeout_s
         self.external = {"prefill": initial_prefill, "decode": initial_decode}
         self.standby = {"prefill": standby_prefill, "decode": standby_decode}
+        # A pool at its maximum cannot promote a standby: no more are kept than it can still grow by.
+        self.maximum = {"prefill": max_prefill, "decode": max_decode}
         self.adopt = adopt
         self.env = env
         self.procs: dict[str, list[WorkerProcess]] = {p: [] for p in POOLS}
@@ -382,11 +386,21 @@ class LocalConnector:
         if not wp.handle.signal(ws.PROMOTE_SIGNAL):
             logger.warning("%s worker %d is gone; could not promote it", wp.pool, wp.index)
 
+    def standby_target(self, pool: str) -> int:
+        """Standbys to keep now: N, but never more than the pool can still grow by."""
+        want = self.standby[pool]
+        top = self.maximum[pool]
+        if top is None:
+            return want
+        members = sum(1 for wp in self.procs[pool] if wp.role == MEMBER) + self.external[pool]
+        return max(0, min(want, top - members))
+
     def _should_park(self, wp: WorkerProcess) -> bool:
         if not (wp.standby_capable and wp.serving):
             return False
         warm = sum(1 for w in self.procs[wp.pool] if w.warm or w.role == PARKING)
-        return warm < self.standby[wp.pool]
+        # ``wp`` leaves the pool: the room it frees counts.
+        return warm < min(self.standby[wp.pool], self.standby_target(wp.pool) + 1)
 
     def _park(self, wp: WorkerProcess) -> None:
         logger.info("parking %s worker %d (pid %d) as a standby", wp.pool, wp.index, wp.pid)
@@ -397,8 +411,8 @@ class LocalConnector:
         self._event("parking", wp)
 
     def _refill(self, pool: str) -> None:
-        """Keep exactly N standbys (warm, loading or parking); surplus loading ones are stopped first."""
-        want = self.standby[pool]
+        """Keep ``standby_target`` standbys (warm, loading or parking); surplus loading ones are stopped first."""
+        want = self.standby_target(pool)
         spare = [wp for wp in self.procs[pool] if wp.role in (STANDBY, PARKING)]
         if len(spare) > want:
             surplus = sorted(
