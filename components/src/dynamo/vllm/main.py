@@ -238,10 +238,10 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
                 capacity.block_size,
                 time.monotonic() - t0,
             )
-            while config.standby:
-                park = loop.create_task(control.parked())
-                done = await first_of(serve_task, park)
-                if park not in done:
+            while True:
+                park = loop.create_task(control.parked()) if config.standby else None
+                done = await first_of(serve_task, *([park] if park is not None else []))
+                if park is None or park not in done:
                     break
                 # Park: leave routing, finish what runs, stand by again.
                 readiness.set(False)
