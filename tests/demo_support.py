@@ -57,7 +57,7 @@ class H(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("127.0.0.1", PORT), H).serve_forever()
 """
 
-# argv: DECISION_LOG UP_AFTER DOWN_AFTER - writes a decode scale-up after UP_AFTER s, then a scale-down, holds in
+# argv: DECISION_LOG UP_AFTER DOWN_AFTER - writes a decode scale-up after UP_AFTER s, a scale-down DOWN_AFTER s later, holds in
 # between; like the real planner's local connector it reports a warm decode standby (connector events in
 # RUN/logs/) and, like the FPM recorder, the decode workers' records (RUN/fpm.jsonl): the promoted standby "w2"
 # works from 0.3 s after the scale-up on.
@@ -191,10 +191,10 @@ def fake_stack(monkeypatch_setattr, tmp: Path, *, failing_worker: bool = False) 
         lambda cfg, mode: [py, str(failing if failing_worker and mode == "decode" else sleeper), mode],
     )  # fmt: skip
     monkeypatch_setattr(
-        stack, "planner_argv", lambda cfg: [py, str(planner), str(cfg.decision_path), "1.5", "2.0"]
+        stack, "planner_argv", lambda cfg: [py, str(planner), str(cfg.decision_path), "2.5", "3.5"]
     )
     monkeypatch_setattr(
         stack, "load_phases",
-        lambda d, i: [load.Phase("warmup", 0.5, 1, max_tokens=4), load.Phase("burst", 2.0, 4, max_tokens=8),
+        lambda d, i: [load.Phase("warmup", 0.5, 1, max_tokens=4), load.Phase("burst", 3.0, 4, max_tokens=8),
                       load.Phase("idle", 1.0, 0)],
     )  # fmt: skip

@@ -25,7 +25,7 @@ POOL_COLORS = {"decode": "#d62728", "prefill": "#1f77b4"}
 # A worker counts as registered while its FPM records (heartbeats included) arrived this recently, and as
 # scheduling work while a record with scheduled requests did.
 REGISTERED_WINDOW_S = 2.5
-WORKING_WINDOW_S = 3.0
+WORKING_WINDOW_S = 5.0
 
 
 @dataclass
@@ -65,7 +65,7 @@ def desired_steps(tl: Timeline, pool: str) -> tuple[list[float], list[float]]:
 def connector_steps(tl: Timeline, pool: str, key: str) -> tuple[list[float], list[float]]:
     xs, ys = [0.0], [0.0]
     for e in sorted(tl.events, key=lambda e: e.t):
-        if pool in e.counts:
+        if pool in e.counts and e.t <= tl.end:
             xs.append(max(0.0, e.t - tl.t0))
             ys.append(float(e.counts[pool].get(key, 0)))
     if len(xs) > 1:  # the state before the load began is the last one before t0
@@ -154,19 +154,22 @@ def _decorate(ax: Axes, tl: Timeline, *, label_actions: bool = False) -> None:
         top = ax.get_ylim()[1]
         for name, s, _ in tl.phase_times:
             ax.text(s - tl.t0 + 1, top * 0.97, name, fontsize=7, va="top", color="#777")
+        span = max(1.0, tl.end - tl.t0)
         for i, d in enumerate(a for a in tl.decisions if a.is_action):
             reason = d.reason if len(d.reason) <= 70 else d.reason[:67] + "..."
+            left = (d.t - tl.t0) > 0.6 * span  # late actions are labelled leftwards, inside the panel
             ax.annotate(
                 f"{d.pool} {d.current}→{d.desired}: {reason}",
                 xy=(d.t - tl.t0, top * (0.85 - 0.13 * (i % 4))),
                 fontsize=6.5,
                 color=POOL_COLORS.get(d.pool, "#444"),
-                xytext=(3, 0),
+                xytext=(-3 if left else 3, 0),
+                ha="right" if left else "left",
                 textcoords="offset points",
                 bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8},
             )
     ax.grid(True, lw=0.3, alpha=0.6)
-    ax.legend(fontsize=7, loc="upper right", framealpha=0.85)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), framealpha=0.85)
 
 
 def _replica_panel(ax: Axes, tl: Timeline, pool: str) -> None:
@@ -175,11 +178,11 @@ def _replica_panel(ax: Axes, tl: Timeline, pool: str) -> None:
     rx, registered, working = replica_counts(tl, pool)
     ax.step(rx, registered, where="post", color=POOL_COLORS[pool], lw=1.0, alpha=0.5, label="registered")
     ax.step(rx, working, where="post", color=POOL_COLORS[pool], lw=2.2, label="serving (scheduling work)")
-    if any(pool in e.counts for e in tl.events):
+    if any(pool in e.counts for e in tl.events):  # areas: visible where they overlap the lines
         sx, sy = connector_steps(tl, pool, "starting")
-        ax.step(sx, sy, where="post", color="#ff7f0e", lw=1.2, ls=":", label="starting")
+        ax.fill_between(sx, sy, step="post", color="#ff7f0e", alpha=0.35, lw=0, label="starting")
         wx, wy = connector_steps(tl, pool, "standby")
-        ax.step(wx, wy, where="post", color="#2ca02c", lw=1.2, ls="-.", label="standby (warm)")
+        ax.fill_between(wx, wy, step="post", color="#2ca02c", alpha=0.25, lw=0, label="standby (warm)")
     peak = max([*ys, *registered, 1.0])
     ax.set_ylim(-0.1, peak + 1.6)
     ax.set_ylabel(f"{pool}\nreplicas")
@@ -199,7 +202,7 @@ def render(tl: Timeline) -> bytes:
     if "prefill" in tl.pools:
         panels.append(("prefill_queue", 1.0))
     panels += [("decode_queue", 1.0), ("decode_tokens", 1.2), ("decode_kv", 1.0), ("ttft", 1.0), ("itl", 1.0)]
-    fig = Figure(figsize=(11, 1.75 * sum(h for _, h in panels)))
+    fig = Figure(figsize=(13, 1.75 * sum(h for _, h in panels)))
     axes = fig.subplots(len(panels), 1, sharex=True, gridspec_kw={"height_ratios": [h for _, h in panels]})
     ok = sorted((r for r in tl.results if r.ok), key=lambda r: r.start)
     for ax, (kind, _) in zip(axes, panels, strict=True):
