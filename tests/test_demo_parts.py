@@ -182,6 +182,11 @@ def test_live_view_shows_engines_replicas_and_decisions() -> None:
     assert "decode: 2" in screen and ">> " in screen and "decode KV load 1.4" in screen
     assert "120" in screen and "80" in screen
     assert "50.0%" in screen
+    counts = {"decode": {"starting": 1, "standby": 1, "standby_loading": 0, "draining": 0}, "prefill": None}
+    screen = live_view.render(
+        state, engines, decisions, {"decode": 2}, t0=now - 30, now=now, connector=counts
+    )
+    assert "planner's workers: decode: 1 starting, 1 standby (warm)" in screen
 
 
 def test_report_is_self_contained_with_one_matplotlib_timeline(tmp_path: Path) -> None:
