@@ -499,3 +499,25 @@ def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may
     assert stack.omp_threads_per_engine(cfg(decode_max=1, prefill_max=1), usable_cores=1) == 1
     user = cfg(extra_env={"OMP_NUM_THREADS": "3"})
     assert stack.stack_env(user)["OMP_NUM_THREADS"] == "3"  # the user's own value wins
+
+
+def test_timeline_draws_a_state_change_when_the_worker_made_it() -> None:
+    """The connector notices a worker's new state at its next poll (3 s later); the worker's own time counts."""
+
+    def ev(t: float, event: str, starting: int, standby: int, since: float = 0.0) -> signals.ConnectorEvent:
+        counts = {"decode": {"starting": starting, "standby": standby}}
+        return signals.ConnectorEvent(
+            t, event, "decode", 0, "member", "serving" if since else "", "w", counts, since
+        )
+
+    events = [ev(-5, "parked", 0, 1), ev(10.0, "promoted", 1, 0), ev(13.0, "state", 0, 0, since=10.02)]
+    tl = timeline.Timeline(0.0, 20.0, [], [], [], [], MIN, events)
+    assert timeline.connector_steps(tl, "decode", "starting") == (
+        [0.0, 0.0, 10.0, 10.02, 20.0],
+        [0.0, 0.0, 1.0, 0.0, 0.0],
+    )
+    assert timeline.connector_steps(tl, "decode", "standby")[1] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert (
+        signals.parse_connector_event({"t": 13, "event": "state", "pool": "decode", "since": 10.02}).happened
+        == 10.02
+    )  # type: ignore[union-attr]

@@ -163,6 +163,11 @@ class ConnectorEvent:
     state: str = ""
     worker_id: str = ""
     counts: dict[str, dict[str, int]] = field(default_factory=dict, compare=False)
+    since: float = 0.0  # state events: when the worker changed state (the connector notices at its next poll)
+
+    @property
+    def happened(self) -> float:
+        return self.since if self.event == "state" and self.since > 0 else self.t
 
 
 def parse_connector_event(obj: dict[str, Any]) -> ConnectorEvent | None:
@@ -183,6 +188,7 @@ def parse_connector_event(obj: dict[str, Any]) -> ConnectorEvent | None:
             for k, v in counts.items()
             if isinstance(v, dict)
         },
+        since=_num(obj.get("since")),
     )
 
 

@@ -64,9 +64,9 @@ def desired_steps(tl: Timeline, pool: str) -> tuple[list[float], list[float]]:
 
 def connector_steps(tl: Timeline, pool: str, key: str) -> tuple[list[float], list[float]]:
     xs, ys = [0.0], [0.0]
-    for e in sorted(tl.events, key=lambda e: e.t):
-        if pool in e.counts and e.t <= tl.end:
-            xs.append(max(0.0, e.t - tl.t0))
+    for e in tl.events:  # the connector's own order; a state change is drawn when the worker made it
+        if pool in e.counts and e.happened <= tl.end:
+            xs.append(max(0.0, xs[-1], e.happened - tl.t0))
             ys.append(float(e.counts[pool].get(key, 0)))
     if len(xs) > 1:  # the state before the load began is the last one before t0
         before = [y for x, y in zip(xs[1:], ys[1:], strict=True) if x <= 0.0]
