@@ -1,14 +1,16 @@
 """The one-command disaggregated demo: ``python launch/demo.py [flags]`` (``make demo``).
 
 Builds the tiny model, starts nats-server, Dynamo's frontend, one prefill and one decode vLLM worker
-(NIXL KV transfer on CPU) and the planner with its ``local`` connector; drives a warm-up / decode-heavy
-burst / idle load through the OpenAI API with a live view; writes an HTML report and a three-line
-verdict into ``runs/<timestamp>/``; stops every process it started, whichever way it ends.
+(NIXL KV transfer on CPU) and the planner with its ``local`` connector (one warm decode standby); drives a
+warm-up / decode-heavy burst / idle load through the OpenAI API with a live view; writes an HTML report and
+a four-line verdict into ``runs/<timestamp>/`` (``--compare``: the same load with the planner off first);
+stops every process it started, whichever way it ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -84,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         "can find them (default: random)",
     )
     p.add_argument(
+        "--decode-standby",
+        type=int,
+        default=1,
+        help="warm decode standbys the planner keeps (loaded, not registered; a scale-up promotes one in "
+        "well under a second); 0 = start every added replica from scratch (default 1)",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="first run the same load with the planner off (into RUN/planner-off/), then the demo; the "
+        "verdict and the report show both",
+    )
+    p.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -105,8 +120,35 @@ def main(argv: list[str] | None = None) -> int:
             "the 'nixl' package does not import here, so real prefill/decode disaggregation cannot run: "
             "falling back to the AGGREGATED variant (one engine per replica)."
         )
+    if args.decode_standby < 0:
+        print("launch/demo.py: error: --decode-standby must be >= 0", file=sys.stderr)
+        return 2
+    run_id = args.run_id or uuid.uuid4().hex[:12]
+    baseline = None
+    if args.compare:
+        off = make_run(args, run_dir / "planner-off", agg, notes, run_id, planner=False)
+        rc = off.run()
+        if rc != 0:
+            return rc
+        baseline = json.loads((off.cfg.run_dir / "verdict.json").read_text())
+    return make_run(args, run_dir, agg, notes, run_id, baseline=baseline).run()
+
+
+def make_run(
+    args: argparse.Namespace,
+    run_dir: Path,
+    agg: bool,
+    notes: list[str],
+    run_id: str,
+    *,
+    planner: bool = True,
+    baseline: dict[str, object] | None = None,
+) -> DemoRun:
+    run_dir.mkdir(parents=True, exist_ok=True)
     cfg = make_config(
         run_dir,
+        planner=planner,
+        decode_standby=args.decode_standby,
         namespace=args.namespace,
         agg=agg,
         duration_s=args.duration,
@@ -119,16 +161,16 @@ def main(argv: list[str] | None = None) -> int:
             k: v for k, v in os.environ.items() if k.startswith(("UCX_", "VLLM_CPU_", "OMP_", "DYN_VLLM_"))
         },
     )
-    demo = DemoRun(
+    return DemoRun(
         cfg,
-        run_id=args.run_id or uuid.uuid4().hex[:12],
+        run_id=run_id,
         live=args.live,
         startup_timeout_s=args.startup_timeout,
         settle_timeout_s=args.settle_timeout,
-        keep_running=args.keep_running,
+        keep_running=args.keep_running and planner,
         notes=notes,
+        baseline=baseline,
     )
-    return demo.run()
 
 
 if __name__ == "__main__":

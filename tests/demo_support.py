@@ -57,17 +57,47 @@ class H(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("127.0.0.1", PORT), H).serve_forever()
 """
 
-# argv: DECISION_LOG  - writes a decode scale-up after ~1 s, then a scale-down, holds in between.
+# argv: DECISION_LOG UP_AFTER DOWN_AFTER - writes a decode scale-up after UP_AFTER s, a scale-down DOWN_AFTER s later, holds in
+# between; like the real planner's local connector it reports a warm decode standby (connector events in
+# RUN/logs/) and, like the FPM recorder, the decode workers' records (RUN/fpm.jsonl): the promoted standby "w2"
+# works from 0.3 s after the scale-up on.
 FAKE_PLANNER = r"""
-import json, sys, time
+import json, os, sys, threading, time
 path = sys.argv[1]
+run = os.path.dirname(path)
+os.makedirs(os.path.join(run, "logs"), exist_ok=True)
 def log(pool, cur, des, reason):
     with open(path, "a") as fh:
         fh.write(json.dumps({"time": time.time(), "pool": pool, "current": cur, "desired": des,
                              "reason": reason, "signals": {}}) + "\n")
+def event(name, role, state, worker, members, standby):
+    with open(os.path.join(run, "logs", "local-connector-events.jsonl"), "a") as fh:
+        fh.write(json.dumps({"t": time.time(), "event": name, "pool": "decode", "index": 0, "pid": os.getpid(),
+                             "role": role, "state": state, "worker_id": worker,
+                             "counts": {"decode": {"members": members, "serving": members - 1, "starting": 0,
+                                                   "standby": standby, "standby_loading": 0, "draining": 0}}})
+                 + "\n")
+promoted = []
+def fpm():
+    n = 0
+    while True:
+        n += 1
+        workers = ["w1"] + (["w2"] if promoted and time.time() > promoted[0] + 0.3 else [])
+        with open(os.path.join(run, "fpm.jsonl"), "a") as fh:
+            for w in workers:
+                fh.write(json.dumps({"component": "backend", "published_at_ms": int(time.time() * 1000),
+                                     "worker_id": w, "dp_rank": 0, "counter_id": n, "wall_time": 0.02,
+                                     "scheduled_requests": {"num_decode_requests": 2},
+                                     "queued_requests": {}}) + "\n")
+        time.sleep(0.1)
+event("state", "standby", "standby", "w2", 1, 1)
+threading.Thread(target=fpm, daemon=True).start()
 log("decode", 1, 1, "hold: warming up")
 time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 1.0)
 log("decode", 1, 2, "decode KV load 1.4 > 1.0")
+promoted.append(time.time())
+event("promoted", "member", "", "", 2, 0)
+event("state", "member", "serving", "w2", 2, 0)
 log("prefill", 1, 1, "hold: prefill queue empty")
 time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 2.0)
 log("decode", 2, 1, "idle for 15 s")
@@ -161,10 +191,10 @@ def fake_stack(monkeypatch_setattr, tmp: Path, *, failing_worker: bool = False) 
         lambda cfg, mode: [py, str(failing if failing_worker and mode == "decode" else sleeper), mode],
     )  # fmt: skip
     monkeypatch_setattr(
-        stack, "planner_argv", lambda cfg: [py, str(planner), str(cfg.decision_path), "1.5", "2.0"]
+        stack, "planner_argv", lambda cfg: [py, str(planner), str(cfg.decision_path), "2.5", "3.5"]
     )
     monkeypatch_setattr(
         stack, "load_phases",
-        lambda d, i: [load.Phase("warmup", 0.5, 1, max_tokens=4), load.Phase("burst", 2.0, 4, max_tokens=8),
+        lambda d, i: [load.Phase("warmup", 0.5, 1, max_tokens=4), load.Phase("burst", 3.0, 4, max_tokens=8),
                       load.Phase("idle", 1.0, 0)],
     )  # fmt: skip

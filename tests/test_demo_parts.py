@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 import zlib
 from pathlib import Path
 
@@ -20,60 +19,21 @@ from demo_support import FAKE_OPENAI_SERVER, write_script  # puts launch/ on sys
 from stall_meter import Deadline
 
 # isort: split
-from demo_lib import charts, live_view, load, report, signals, stack, verdict
+from demo_lib import live_view, load, outcome, report, signals, stack, timeline, verdict
 from demo_lib.supervisor import Supervisor, pids_with_marker, tail_lines
 from dynamo.common.nats_server import free_port
 from worker_support import wait_until
 
 
-# ---- charts ---------------------------------------------------------------------------------------
-def _decode_png(data: bytes) -> tuple[int, int, bytes]:
+def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, size = 8, b"", (0, 0)
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
-        assert crc == zlib.crc32(kind + body)
-        if kind == b"IHDR":
-            size = struct.unpack(">II", body[:8])
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    return size[0], size[1], zlib.decompress(idat)
-
-
-def _chart() -> charts.Chart:
-    return charts.Chart(
-        "Replicas <&> test",
-        [
-            charts.Series("decode", [(0, 1), (10, 2), (30, 1)], step=True),
-            charts.Series("q", [(0, 0), (5, 40)]),
-        ],
-        markers=[charts.Marker(10, "decode 1->2", "#d62728")],
-        bands=[charts.Band(5, 20, "burst", "#fde8e8")],
-    )
-
-
-def test_png_is_valid_and_has_the_series_colours() -> None:
-    w, h, raw = _decode_png(charts.render_png(_chart()))
-    assert (w, h) == (760, 260)
-    assert len(raw) == h * (1 + 3 * w)
-    pixels = {raw[i : i + 3] for y in range(h) for i in range(y * (1 + 3 * w) + 1, (y + 1) * (1 + 3 * w), 3)}
-    assert bytes(charts._rgb(charts.PALETTE[0])) in pixels  # first series drawn
-    assert bytes(charts._rgb("#fde8e8")) in pixels  # band drawn
-
-
-def test_svg_is_well_formed_and_escapes_text() -> None:
-    svg = charts.render_svg(_chart())
-    root = ET.fromstring(svg)
-    assert root.tag.endswith("svg")
-    assert "Replicas &lt;&amp;&gt; test" in svg
-    assert svg.count("<polyline") == 2
-
-
-def test_nice_ceiling() -> None:
-    assert [charts.nice_ceiling(v) for v in (0, 0.7, 3, 11, 4000)] == [1.0, 1.0, 5.0, 20.0, 5000.0]
+    (n,) = struct.unpack(">I", data[8:12])
+    assert data[12:16] == b"IHDR"
+    body = data[16 : 16 + n]
+    (crc,) = struct.unpack(">I", data[16 + n : 20 + n])
+    assert crc == zlib.crc32(b"IHDR" + body)
+    w, h = struct.unpack(">II", body[:8])
+    return w, h
 
 
 # ---- signals --------------------------------------------------------------------------------------
@@ -131,6 +91,8 @@ def _d(t: float, pool: str, cur: int, des: int, reason: str = "r") -> signals.De
 
 
 MIN = {"prefill": 1, "decode": 1}
+# The added replica worked 1.5 s after the decision at 112 s and carried 40% of the decode tokens.
+TOOK_LOAD = outcome.ScaledReplica(112.0, "w2", 112.4, 113.5, 40.0, 100.0)
 
 
 @pytest.mark.parametrize(
@@ -145,13 +107,49 @@ MIN = {"prefill": 1, "decode": 1}
     ],
 )  # fmt: skip
 def test_verdict_table(decisions: list[signals.Decision], passed: bool, wrong: int, back: bool) -> None:
-    v = verdict.judge(decisions, burst_start=100.0, burst_end=200.0, minimum=MIN)
+    v = verdict.judge(decisions, burst_start=100.0, burst_end=200.0, minimum=MIN, scaled=TOOK_LOAD)
     assert (v.passed, len(v.wrong_pool_actions), v.returned_to_min) == (passed, wrong, back)
-    assert len(v.lines) == 3 and all(v.lines)
+    assert len(v.lines) == 4 and all(v.lines)
+
+
+def test_the_verdict_needs_the_added_replica_to_take_load() -> None:
+    good = [_d(112, "decode", 1, 2), _d(250, "decode", 2, 1)]
+    assert verdict.judge(good, 100.0, 200.0, MIN, scaled=TOOK_LOAD).passed
+    late = outcome.ScaledReplica(112.0, "w2", 113.0, 140.0, 40.0, 100.0)  # worked 28 s after the decision
+    little = outcome.ScaledReplica(112.0, "w2", 112.4, 115.0, 10.0, 100.0)  # 10% of the tokens
+    for scaled in (late, little, outcome.ScaledReplica(112.0, "w2"), None):
+        v = verdict.judge(good, 100.0, 200.0, MIN, scaled=scaled)
+        assert not v.passed and v.lines[3].startswith("Scaled replica took load: NO"), v.lines[3]
+    v = verdict.judge(good, 100.0, 200.0, MIN, scaled=TOOK_LOAD)
+    assert v.lines[3] == (
+        "Scaled replica took load: YES - first decode work 1.5 s after the scale-up decision (bar: 10 s); it "
+        "carried 40% of the decode pool's tokens from then to the burst's end (bar: 25%)."
+    )
+
+
+def test_scaled_replica_is_found_by_the_connector_event_and_its_share_counted() -> None:
+    samples = [_sample(100.0 + i, "decode", "w1", scheduled_decode_requests=2) for i in range(100)]
+    samples += [_sample(105.0, "decode", "w9", scheduled_decode_requests=0)]  # heartbeat of another worker
+    samples += [
+        _sample(121.0 + i, "decode", "w2", scheduled_decode_requests=1 if i >= 2 else 0) for i in range(79)
+    ]
+    decisions = [_d(90, "decode", 1, 1), _d(120.0, "decode", 1, 2), _d(250, "decode", 2, 1)]
+    events = [signals.ConnectorEvent(120.3, "state", "decode", 3, "member", "serving", "w2")]
+    r = outcome.scaled_replica(samples, decisions, events, 100.0, 200.0)
+    assert (r.worker_id, r.decision_t, r.first_work_t) == ("w2", 120.0, 123.0)
+    assert r.first_work_s == pytest.approx(3.0)
+    # From 123 s to 200 s: w1 2 tokens x 77 records, w2 1 x 77 (records at 123..199).
+    assert r.decode_share == pytest.approx(77 / (77 + 2 * 77))
+    assert r.took_load
+    # Without connector events: the first decode worker whose records begin after the decision.
+    assert outcome.scaled_replica(samples, decisions, [], 100.0, 200.0).worker_id == "w2"
+    assert outcome.scaled_replica(samples, decisions[:1], events, 100.0, 200.0).decision_t is None
 
 
 def test_verdict_speed_and_text() -> None:
-    v = verdict.judge([_d(112.5, "decode", 1, 2), _d(230, "decode", 2, 1)], 100.0, 200.0, MIN)
+    v = verdict.judge(
+        [_d(112.5, "decode", 1, 2), _d(230, "decode", 2, 1)], 100.0, 200.0, MIN, scaled=TOOK_LOAD
+    )
     assert v.decode_up_after_s == pytest.approx(12.5)
     assert v.back_to_min_after_s == pytest.approx(30.0)
     assert v.lines[0].startswith("Right pool: YES") and "12.5 s" in v.lines[1]
@@ -184,30 +182,62 @@ def test_live_view_shows_engines_replicas_and_decisions() -> None:
     assert "decode: 2" in screen and ">> " in screen and "decode KV load 1.4" in screen
     assert "120" in screen and "80" in screen
     assert "50.0%" in screen
+    counts = {"decode": {"starting": 1, "standby": 1, "standby_loading": 0, "draining": 0}, "prefill": None}
+    screen = live_view.render(
+        state, engines, decisions, {"decode": 2}, t0=now - 30, now=now, connector=counts
+    )
+    assert "planner's workers: decode: 1 starting, 1 standby (warm)" in screen
 
 
-def test_report_is_self_contained_and_writes_pngs(tmp_path: Path) -> None:
+def test_report_is_self_contained_with_one_matplotlib_timeline(tmp_path: Path) -> None:
     t0 = 1000.0
     samples = [_sample(t0 + i, "decode", "w1", queued_decode_requests=i % 7, kv_ready_tokens=10.0 * i,
-                       kv_transfer_tokens=5.0, scheduled_decode_kv_tokens=100.0) for i in range(60)]  # fmt: skip
+                       kv_transfer_tokens=5.0, scheduled_decode_kv_tokens=100.0, scheduled_decode_requests=2)
+               for i in range(60)]  # fmt: skip
+    samples += [_sample(t0 + 21 + i, "decode", "w2", scheduled_decode_requests=1) for i in range(25)]
     samples += [_sample(t0 + i, "prefill", "p1", queued_prefill_tokens=3) for i in range(60)]
     results = [
         load.RequestResult("burst", t0 + i, True, 0.05 + i / 1000, [0.01, 0.02], 3, t0 + i + 1)
         for i in range(30)
     ]
     decisions = [_d(t0 + 20, "decode", 1, 2, "kv > 1"), _d(t0 + 50, "decode", 2, 1, "idle")]
+    events = [
+        signals.ConnectorEvent(t0 - 5, "state", "decode", 0, "standby", "standby", "w2",
+                               {"decode": {"members": 1, "starting": 0, "standby": 1}}),
+        signals.ConnectorEvent(t0 + 20.2, "promoted", "decode", 0, "member", "", "",
+                               {"decode": {"members": 2, "starting": 1, "standby": 0}}),
+        signals.ConnectorEvent(t0 + 20.3, "state", "decode", 0, "member", "serving", "w2",
+                               {"decode": {"members": 2, "starting": 0, "standby": 0}}),
+    ]  # fmt: skip
     phases = [("warmup", t0, t0 + 10), ("burst", t0 + 10, t0 + 40), ("idle", t0 + 40, t0 + 60)]
-    v = verdict.judge(decisions, t0 + 10, t0 + 40, MIN)
-    data = report.ReportData(t0, samples, decisions, results, phases, v, MIN, {"agg": False}, ["a note"])
+    scaled = outcome.scaled_replica(samples, decisions, events, t0 + 10, t0 + 40)
+    assert scaled.worker_id == "w2" and scaled.took_load
+    v = verdict.judge(decisions, t0 + 10, t0 + 40, MIN, scaled=scaled)
+    baseline = {"latency": {"burst": {"requests": 7, "tokens": 70, "ttft_p50": 0.5}}}
+    data = report.ReportData(t0, samples, decisions, results, phases, v, MIN, {"agg": False}, ["a note"],
+                             events=events, baseline=baseline)  # fmt: skip
     path = report.write_report(data, tmp_path / "report")
     text = path.read_text()
-    assert "Verdict: PASS" in text and "a note" in text and text.count("<svg") == 5
-    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
+    assert "Verdict: PASS" in text and "a note" in text and "Scaled replica took load: YES" in text
+    assert text.count('src="data:image/png;base64,') == 1 and "<svg" not in text
+    assert "http://" not in text and "https://" not in text  # nothing fetched
     assert "<td>decode</td><td>1 &rarr; 2</td>" in text
-    pngs = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
-    assert pngs == ["decode_kv.png", "decode_queue.png", "latency.png", "prefill_queue.png", "replicas.png"]
-    for p in (tmp_path / "report").glob("*.png"):
-        _decode_png(p.read_bytes())
+    assert "planner off" in text and "500 ms" in text  # the --compare table
+    assert "promoted" in text and "serving" in text  # the connector's events
+    assert [p.name for p in (tmp_path / "report").glob("*.png")] == ["timeline.png"]
+    w, h = _png_size((tmp_path / "report" / "timeline.png").read_bytes())
+    assert w > 1000 and h > 1000
+
+
+def test_timeline_counts_what_really_ran() -> None:
+    t0 = 0.0
+    samples = [_sample(float(i), "decode", "w1", scheduled_decode_requests=1) for i in range(20)]
+    samples += [_sample(10.0 + i, "decode", "w2") for i in range(10)]  # registered, idle (heartbeats)
+    tl = timeline.Timeline(t0, 20.0, samples, [_d(9.0, "decode", 1, 2)], [], [], MIN)
+    xs, registered, working = timeline.replica_counts(tl, "decode")
+    assert registered[xs.index(5.0)] == 1 and registered[xs.index(15.0)] == 2
+    assert working[xs.index(15.0)] == 1  # desired says 2, but only one schedules work
+    assert timeline.desired_steps(tl, "decode") == ([0.0, 9.0, 20.0], [1.0, 2.0, 2.0])
 
 
 # ---- load driver against a fake streaming server --------------------------------------------------
@@ -337,6 +367,7 @@ def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
     assert "--kv-transfer-config" not in stack.worker_argv(cfg, "agg")
     conf = stack.planner_config(cfg)
     assert conf["connector"] == "local" and conf["local"]["initial_decode"] == 1  # type: ignore[index]
+    assert conf["local"]["standby_decode"] == 1  # type: ignore[index]  # one warm decode standby by default
     template = conf["local"]["decode_command"]  # type: ignore[index]
     assert "free_port_exec.py VLLM_NIXL_SIDE_CHANNEL_PORT --" in template
     # The planner fills {placeholders} with str.format: the JSON braces survive it.
@@ -468,3 +499,25 @@ def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may
     assert stack.omp_threads_per_engine(cfg(decode_max=1, prefill_max=1), usable_cores=1) == 1
     user = cfg(extra_env={"OMP_NUM_THREADS": "3"})
     assert stack.stack_env(user)["OMP_NUM_THREADS"] == "3"  # the user's own value wins
+
+
+def test_timeline_draws_a_state_change_when_the_worker_made_it() -> None:
+    """The connector notices a worker's new state at its next poll (3 s later); the worker's own time counts."""
+
+    def ev(t: float, event: str, starting: int, standby: int, since: float = 0.0) -> signals.ConnectorEvent:
+        counts = {"decode": {"starting": starting, "standby": standby}}
+        return signals.ConnectorEvent(
+            t, event, "decode", 0, "member", "serving" if since else "", "w", counts, since
+        )
+
+    events = [ev(-5, "parked", 0, 1), ev(10.0, "promoted", 1, 0), ev(13.0, "state", 0, 0, since=10.02)]
+    tl = timeline.Timeline(0.0, 20.0, [], [], [], [], MIN, events)
+    assert timeline.connector_steps(tl, "decode", "starting") == (
+        [0.0, 0.0, 10.0, 10.02, 20.0],
+        [0.0, 0.0, 1.0, 0.0, 0.0],
+    )
+    assert timeline.connector_steps(tl, "decode", "standby")[1] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert (
+        signals.parse_connector_event({"t": 13, "event": "state", "pool": "decode", "since": 10.02}).happened
+        == 10.02
+    )  # type: ignore[union-attr]

@@ -120,3 +120,26 @@ def test_ctrl_c_stops_everything(tmp_path: Path, keep_running: bool) -> None:
     if keep_running:
         assert "report:" in out and "curl -s http://127.0.0.1:" in out
     assert pids_with_marker(run_id) == []
+
+
+def test_compare_runs_the_same_load_with_the_planner_off_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_stack(monkeypatch.setattr, tmp_path)
+    import demo
+
+    run_id = _run_id()
+    run = tmp_path / "run"
+    argv = ["--compare", "--duration", "30", "--run-dir", str(run), "--run-id", run_id, "--no-live"]
+    assert demo.main([*argv, "--startup-timeout", "30", "--settle-timeout", "10"]) == 0
+    out = (run / "planner-off" / "demo.log").read_text() + (run / "demo.log").read_text()
+    assert pids_with_marker(run_id) == []
+    off = json.loads((run / "planner-off" / "verdict.json").read_text())
+    assert off["planner"] is False and off["passed"] is None
+    assert not (run / "planner-off" / "decisions.jsonl").exists()  # no planner ran
+    on = json.loads((run / "verdict.json").read_text())
+    assert on["passed"], on
+    assert on["compare"]["planner_off"]["latency"] == off["latency"]
+    assert on["scaled_replica_first_work_s"] is not None and on["scaled_replica_decode_share"] > 0
+    assert "OFF (baseline run" in out and "compare (same load):" in out and "planner off: burst" in out
+    assert "planner off" in (run / "report" / "report.html").read_text()

@@ -127,6 +127,26 @@ async def test_idle_heartbeat_and_idle_record_and_suspension(nats_server: Embedd
     assert st.heartbeats == len(counters) - 1 and st.published == 1
 
 
+async def test_heartbeats_wait_for_the_gate_file(nats_server: EmbeddedNatsServer, tmp_path: Path) -> None:
+    """A standby worker's engine: no heartbeat until the worker registered and created the gate file."""
+    gate = tmp_path / "registered"
+    col = await Collector(nats_server.url, fpm_subject(NS, "backend")).start()
+    pub = make_pub(nats_server.url, worker_id="standby", heartbeat_interval=0.1, gate_file=str(gate))
+    try:
+        await asyncio.sleep(0.8)
+        assert col.items == [] and pub.stats().heartbeats == 0
+        gate.touch()
+        assert await wait_until(lambda: len(col.items) >= 2, timeout=3)
+        gate.unlink()  # parked again
+        await asyncio.sleep(0.3)
+        n = len(col.items)
+        await asyncio.sleep(0.6)
+        assert len(col.items) == n
+    finally:
+        pub.close()
+        await col.stop()
+
+
 async def test_heartbeat_only_when_nothing_was_sent(nats_server: EmbeddedNatsServer) -> None:
     col = await Collector(nats_server.url, fpm_subject(NS, "backend")).start()
     pub = make_pub(nats_server.url, worker_id="busy", heartbeat_interval=1.0)

@@ -87,7 +87,7 @@ async def test_local_connector_starts_and_drains_processes(tmp_path: Path, stand
         await c.apply(2, 1)
         st = await c.status()
         assert (st.prefill, st.decode, st.settled) == (2, 1, True)
-        pids = [wp.proc.pid for wp in c.procs["prefill"]]
+        pids = [wp.pid for wp in c.procs["prefill"]]
         assert all(os.getpgid(p) == p for p in pids)  # each in its own process group
         log1 = tmp_path / "logs" / "prefill-1.log"
         await _until(lambda: "started prefill 1" in log1.read_text(errors="replace"))

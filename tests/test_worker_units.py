@@ -474,3 +474,28 @@ def test_frontend_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit) as exc:
         fe.parse_args(["--router-mode", "nope"])
     assert exc.value.code == 2
+
+
+def test_standby_options_are_read_before_argparse(tmp_path: Path) -> None:
+    from dynamo.common import worker_state as ws
+    from dynamo.vllm.standby import StandbyControl, early_options
+
+    assert early_options([], {}) == (False, None)
+    assert early_options(["--model", "m", "--standby", "--state-file", "s.json"], {}) == (True, "s.json")
+    assert early_options(["--state-file=x.json"], {"DYN_VLLM_STANDBY": "1"}) == (True, "x.json")
+    assert early_options(["--no-standby"], {"DYN_VLLM_STANDBY": "yes", "DYN_WORKER_STATE_FILE": "e"}) == (
+        False,
+        "e",
+    )
+    with pytest.raises(ValueError, match="DYN_VLLM_STANDBY"):
+        early_options([], {"DYN_VLLM_STANDBY": "maybe"})
+    path = tmp_path / "state.json"
+    control = StandbyControl(True, str(path))
+    control.write(ws.STANDBY)
+    assert ws.read_state(path) is not None and ws.read_state(path).state == "standby"  # type: ignore[union-attr]
+    control.gate_file = tmp_path / "registered"
+    control.open_gate()
+    assert control.gate_file.exists()
+    control.close_gate()
+    control.close_gate()  # twice is fine
+    assert not control.gate_file.exists()

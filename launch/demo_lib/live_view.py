@@ -62,8 +62,13 @@ def render(
     title: str = "dynamo-fpm demo",
     now: float | None = None,
     notes: list[str] | None = None,
+    connector: dict[str, dict[str, int] | None] | None = None,
 ) -> str:
-    """The whole screen as text (the caller clears the terminal and prints it)."""
+    """The whole screen as text (the caller clears the terminal and prints it).
+
+    ``replicas``: the planner's desired count per pool; ``connector``: the local connector's latest counts
+    per pool (starting, standby, ...), shown next to it.
+    """
     now = now if now is not None else time.time()
     lines = [
         f"{title}   t=+{now - t0:6.1f}s",
@@ -71,6 +76,11 @@ def render(
         f"      in flight {load.in_flight:3d}   done {load.done:5d}   failed {load.failed:4d}"
         + (f"   last error: {load.last_error[:60]}" if load.last_error else ""),
         "replicas  " + "   ".join(f"{p}: {'?' if n is None else n}" for p, n in replicas.items()),
+        *(
+            [f"          planner's workers: {connector_line(connector)}"]
+            if connector_line(connector or {})
+            else []
+        ),
         "",
         *engine_rows(engines),
         "",
@@ -80,6 +90,18 @@ def render(
     for note in notes or []:
         lines.append(note)
     return "\n".join(lines)
+
+
+def connector_line(connector: dict[str, dict[str, int] | None]) -> str:
+    """``decode 1 starting, 1 standby`` from the connector's counts ("" when it has none)."""
+    parts = []
+    for pool, c in connector.items():
+        if not c:
+            continue
+        items = [f"{c.get(k, 0)} {label}" for k, label in (("starting", "starting"), ("standby", "standby (warm)"),
+                 ("standby_loading", "standby loading"), ("draining", "draining")) if c.get(k)]  # fmt: skip
+        parts.append(f"{pool}: " + (", ".join(items) if items else "all serving"))
+    return "   ".join(parts)
 
 
 CLEAR = "\x1b[H\x1b[2J"

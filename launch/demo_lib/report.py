@@ -1,20 +1,19 @@
-"""The end-of-run report: one self-contained HTML file (inline SVG plots) plus the same plots as PNGs."""
+"""The end-of-run report: one self-contained HTML file (the figure as an inline base64 PNG) plus the PNG."""
 
 from __future__ import annotations
 
+import base64
 import html
 import json
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .charts import Band, Chart, Marker, Series, render_png, render_svg
+from . import timeline
 from .load import RequestResult, latency_summary
-from .signals import Decision, FpmSample
+from .signals import ConnectorEvent, Decision, FpmSample
 from .verdict import Verdict
 
-BAND_COLORS = {"warmup": "#f3f3f3", "burst": "#fde8e8", "idle": "#eef6ee"}
+FIGURE = "timeline.png"
 
 
 @dataclass
@@ -28,120 +27,75 @@ class ReportData:
     minimum: dict[str, int]
     settings: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    events: list[ConnectorEvent] = field(default_factory=list)
+    planner: bool = True
+    baseline: dict[str, object] | None = None  # --compare: the planner-off run's verdict.json
 
 
-def bucketed(
-    samples: list[FpmSample], t0: float, value: Callable[[FpmSample], float | None], width_s: float = 1.0
-) -> dict[str, list[tuple[float, float]]]:
-    """Per engine, the max of ``value`` in each time bucket (records arrive per step: thousands)."""
-    buckets: dict[str, dict[int, float]] = defaultdict(dict)
-    for s in samples:
-        v = value(s)
-        if v is None:
-            continue
-        name = f"{s.pool}:{_short(s.worker)}" + (f"/{s.dp_rank}" if s.dp_rank else "")
-        b = int((s.t - t0) // width_s)
-        cur = buckets[name].get(b)
-        buckets[name][b] = v if cur is None else max(cur, v)
-    return {n: [(b * width_s, v) for b, v in sorted(bs.items())] for n, bs in sorted(buckets.items())}
-
-
-def pool_sum(
-    samples: list[FpmSample],
-    t0: float,
-    pool: str,
-    value: Callable[[FpmSample], float | None],
-    width_s: float = 1.0,
-) -> list[tuple[float, float]]:
-    """Per time bucket, the sum over the pool's engines of each engine's max in that bucket."""
-    per_engine = bucketed([s for s in samples if s.pool == pool], t0, value, width_s)
-    total: dict[float, float] = defaultdict(float)
-    for pts in per_engine.values():
-        for x, v in pts:
-            total[x] += v
-    return sorted(total.items())
-
-
-def _short(worker: str) -> str:
-    return worker if len(worker) <= 10 else worker[-8:]
-
-
-def replica_series(decisions: list[Decision], t0: float, minimum: dict[str, int], end: float) -> list[Series]:
-    out = []
-    for pool in ("prefill", "decode"):
-        pts = [(0.0, float(minimum.get(pool, 1)))]
-        for d in decisions:
-            if d.pool == pool and d.is_action:
-                pts.append((d.t - t0, float(d.desired)))
-        pts.append((end - t0, pts[-1][1]))
-        out.append(Series(f"{pool} replicas", pts, step=True))
-    return out
-
-
-def make_charts(data: ReportData) -> list[tuple[str, Chart]]:
-    """(file stem, chart) pairs, in report order."""
-    t0 = data.t0
+def make_timeline(data: ReportData) -> timeline.Timeline:
     end = (
         max(
-            [t0 + 1.0]
+            [data.t0 + 1.0]
             + [s.t for s in data.samples]
             + [d.t for d in data.decisions]
             + [e for _, _, e in data.phase_times]
         )
         + 5.0
     )  # a little room after the last event, so a final step down stays visible
-    bands = [Band(s - t0, e - t0, n, BAND_COLORS.get(n, "#f6f6f6")) for n, s, e in data.phase_times]
-    if data.phase_times and end - data.phase_times[-1][2] > 6.0:
-        bands.append(Band(data.phase_times[-1][2] - t0, end - t0, "settle", "#f6f6f6"))
-    actions = [
-        Marker(d.t - t0, f"{d.pool} {d.current}->{d.desired}", "#d62728" if d.pool == "decode" else "#1f77b4")
-        for d in data.decisions
-        if d.is_action
-    ]
-    prefill = bucketed(
-        [s for s in data.samples if s.pool == "prefill"], t0, lambda s: s.queued_prefill_tokens
+    phases = list(data.phase_times)
+    if phases and end - phases[-1][2] > 6.0:
+        phases.append(("settle", phases[-1][2], end))
+    pools = ("decode",) if data.minimum.get("prefill", 0) == 0 else ("prefill", "decode")
+    return timeline.Timeline(
+        data.t0,
+        end,
+        data.samples,
+        data.decisions,
+        data.results,
+        phases,
+        data.minimum,
+        data.events,
+        pools,
+        data.verdict.scaled.worker_id if data.verdict.scaled is not None else None,
     )
-    decode_q = bucketed(
-        [s for s in data.samples if s.pool == "decode"], t0, lambda s: s.queued_decode_requests
-    )
-    kv_series = [
-        Series(
-            "decode KV tokens (running)",
-            pool_sum(data.samples, t0, "decode", lambda s: s.scheduled_decode_kv_tokens),
-        ),
-        Series(
-            "queued KV: all (incl. preempted)",
-            pool_sum(data.samples, t0, "decode", lambda s: s.queued_decode_kv_tokens),
-        ),
-        Series(
-            "queued KV: transfer in flight",
-            pool_sum(data.samples, t0, "decode", lambda s: s.kv_transfer_tokens),
-        ),
-        Series("queued KV: ready", pool_sum(data.samples, t0, "decode", lambda s: s.kv_ready_tokens)),
-    ]
-    ok = sorted((r for r in data.results if r.ok), key=lambda r: r.start)
-    latency = [
-        Series("TTFT (s)", [(r.start - t0, r.ttft_s or 0.0) for r in ok]),
-        Series("mean ITL x10 (s)", [(r.start - t0, 10 * sum(r.itl_s) / len(r.itl_s)) for r in ok if r.itl_s]),
-    ]
-
-    def chart(title: str, series: list[Series], ylabel: str) -> Chart:
-        return Chart(title, series, ylabel=ylabel, markers=actions, bands=bands)
-
-    return [
-        ("replicas", chart("Replicas per pool (dashed: planner actions)", replica_series(data.decisions, t0, data.minimum, end), "replicas")),
-        ("prefill_queue", chart("Prefill pool: queued prefill tokens per engine", [Series(n, p) for n, p in prefill.items()], "tokens")),
-        ("decode_queue", chart("Decode pool: queued decode requests per engine", [Series(n, p) for n, p in decode_q.items()], "requests")),
-        ("decode_kv", chart("Decode pool: KV tokens (running and queued)", kv_series, "tokens")),
-        ("latency", chart("Request latency by start time", latency, "seconds")),
-    ]  # fmt: skip
 
 
 def _fmt_s(v: object) -> str:
     return "-" if v is None else f"{float(v) * 1000:.0f} ms"  # type: ignore[arg-type]
 
 
-def render_html(data: ReportData, charts: list[tuple[str, Chart]]) -> str:
+def _compare_rows(data: ReportData) -> str:
+    if data.baseline is None:
+        return ""
+    e = html.escape
+    on = latency_summary(data.results).get("burst", {})
+    base_lat = data.baseline.get("latency", {})
+    off = base_lat.get("burst", {}) if isinstance(base_lat, dict) else {}
+    keys = ("requests", "tokens", "failed", "ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
+
+    def cell(s: dict[str, object], k: str) -> str:
+        v = s.get(k)
+        return _fmt_s(v) if k.startswith(("ttft", "itl")) else e(str(v if v is not None else "-"))
+
+    head = "".join(f"<th>{e(k)}</th>" for k in keys)
+    rows = "".join(
+        f"<tr><td>{label}</td>" + "".join(f"<td>{cell(s, k)}</td>" for k in keys) + "</tr>"
+        for label, s in (("planner on", on), ("planner off", off))
+    )
+    return f"<h2>The same load with the planner off (--compare)</h2><table><tr><th>burst</th>{head}</tr>{rows}</table>"
+
+
+def _event_rows(data: ReportData) -> str:
+    e = html.escape
+    shown = [ev for ev in data.events if ev.event != "state" or ev.state in ("standby", "serving")]
+    return "".join(
+        f"<tr><td>{ev.t - data.t0:+.1f} s</td><td>{e(ev.pool)} {ev.index}</td><td>{e(ev.event)}"
+        f"{' ' + e(ev.state) if ev.state else ''}</td><td>{e(ev.worker_id)}</td></tr>"
+        for ev in shown
+    )
+
+
+def render_html(data: ReportData, png: bytes) -> str:
     e = html.escape
     summary = latency_summary(data.results)
     rows = "".join(
@@ -157,28 +111,37 @@ def render_html(data: ReportData, charts: list[tuple[str, Chart]]) -> str:
         if d.is_action
     )
     holds = sum(1 for d in data.decisions if not d.is_action)
-    ok = data.verdict.passed
-    verdict = "".join(f"<li>{e(line)}</li>" for line in data.verdict.lines)
+    ok = data.verdict.passed and data.planner
+    lines = data.verdict.lines if data.planner else ("The planner was off: this is the baseline run.",)
+    verdict = "".join(f"<li>{e(line)}</li>" for line in lines)
     notes = "".join(f"<p class=note>{e(n)}</p>" for n in data.notes)
-    plots = "".join(f"<div class=plot>{render_svg(c)}</div>" for _, c in charts)
+    plots = f'<div class=plot><img alt="timeline" src="data:image/png;base64,{base64.b64encode(png).decode()}"></div>'
     settings = e(json.dumps(data.settings, indent=2, default=str))
+    events = _event_rows(data)
+    compare = _compare_rows(data)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>dynamo-fpm demo report</title>
 <style>
 body{{font-family:sans-serif;max-width:980px;margin:1em auto;color:#222}}
 table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padding:2px 8px;font-size:13px}}
 .verdict{{border-left:6px solid {"#2ca02c" if ok else "#d62728"};padding:.3em 1em;background:#fafafa}}
-.note{{color:#a15c00}}.plot{{margin:1em 0}}
+.note{{color:#a15c00}}.plot{{margin:1em 0}}.plot img{{width:100%}}
 </style></head><body>
 <h1>dynamo-fpm demo report</h1>
 <div class=verdict><b>Verdict: {"PASS" if ok else "CHECK"}</b><ul>{verdict}</ul></div>
 {notes}
+{compare}
 <h2>How to read this</h2>
-<p>Shaded bands are the load phases (warm-up, the decode-heavy burst, idle). Dashed vertical lines are the
-planner's scaling actions (red: decode pool, blue: prefill pool). The burst sends many concurrent long
+<p>Every panel shares one time axis: seconds since the load began. Shaded bands are the load phases (warm-up,
+the decode-heavy burst, idle, settle). Dashed vertical lines are the planner's scaling actions (red: decode pool,
+blue: prefill pool), labelled with their reasons in the top panel. The replica panels draw the planner's
+<i>desired</i> count next to what really ran: replicas <i>registered</i> (publishing forward-pass metrics),
+replicas <i>serving</i> (scheduling work in the last few seconds), and the connector's workers still
+<i>starting</i> and its warm <i>standbys</i> (loaded, not registered). The burst sends many concurrent long
 generations with short prompts: the decode pool's queues and KV grow while the prefill pool's queue stays small,
-so the right reaction is to scale decode up, leave prefill alone, and return both to their minimum when idle.
-"KV transfer in flight" is decode work waiting for its KV from a prefill worker; "KV ready" waits only for a slot.</p>
+so the right reaction is to scale decode up, leave prefill alone, and return both to their minimum when idle;
+the "decode tokens/s per engine" panel shows whether the added replica really took its share.
+"KV in transfer" is decode work waiting for its KV from a prefill worker; "KV ready" waits only for a slot.</p>
 {plots}
 <h2>Request latency (successful requests)</h2>
 <p>TTFT: time to the first streamed token. ITL: a request's mean inter-token latency (first to last token over
@@ -190,20 +153,23 @@ as "cut off", not as failures; their tokens and timings up to then are included.
 <h2>Planner actions</h2>
 <table><tr><th>time</th><th>pool</th><th>replicas</th><th>reason</th></tr>{actions}</table>
 <p>{holds} hold decisions (no change) are in <code>decisions.jsonl</code>.</p>
+<h2>The planner's workers</h2>
+<p>Events of the planner's local connector (<code>logs/local-connector-events.jsonl</code>): workers started,
+standbys warm, promoted, serving, parked or stopped.</p>
+<table><tr><th>time</th><th>worker</th><th>event</th><th>worker id</th></tr>{events}</table>
 <h2>Settings</h2><pre>{settings}</pre>
 <p>Files in this run folder: <code>logs/</code> (one log per component), <code>fpm.jsonl</code> (every FPM
 record, replayable with the planner's replay), <code>decisions.jsonl</code>, <code>requests.jsonl</code>,
-<code>report/*.png</code>.</p>
+<code>report/timeline.png</code>.</p>
 </body></html>
 """
 
 
 def write_report(data: ReportData, out_dir: Path) -> Path:
-    """Write ``report.html`` and one PNG per plot into ``out_dir``; returns the HTML path."""
+    """Write ``report.html`` and the figure (``timeline.png``) into ``out_dir``; returns the HTML path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    charts = make_charts(data)
-    for stem, c in charts:
-        (out_dir / f"{stem}.png").write_bytes(render_png(c))
+    png = timeline.render(make_timeline(data))
+    (out_dir / FIGURE).write_bytes(png)
     path = out_dir / "report.html"
-    path.write_text(render_html(data, charts), encoding="utf-8")
+    path.write_text(render_html(data, png), encoding="utf-8")
     return path

@@ -22,6 +22,7 @@ import httpx
 from . import stack
 from .live_view import CLEAR, compact_status, render
 from .load import LoadState, latency_summary, run_load
+from .outcome import scaled_replica
 from .report import ReportData, write_report
 from .signals import Signals
 from .supervisor import Failure, Supervisor
@@ -65,6 +66,7 @@ class DemoRun:
         settle_timeout_s: float = 150.0,
         keep_running: bool = False,
         notes: list[str] | None = None,
+        baseline: dict[str, object] | None = None,
     ) -> None:
         self.cfg = cfg
         self.out = out
@@ -74,7 +76,9 @@ class DemoRun:
         self.keep_running = keep_running
         self.notes = list(notes or [])
         self.sup = Supervisor(cfg.run_dir, run_id)
-        self.signals = Signals(cfg.fpm_path, cfg.decision_path)
+        self.signals = Signals(cfg.fpm_path, cfg.decision_path, cfg.connector_events_path)
+        # --compare: the summary of the same load run with the planner off, shown next to this run's.
+        self.baseline = baseline
         self.load = LoadState()
         self.t0 = time.time()
         self._last_compact = 0.0
@@ -93,7 +97,7 @@ class DemoRun:
         for pool in ("prefill", "decode"):
             if pool == "prefill" and self.cfg.agg:
                 continue
-            r = self.signals.replicas(pool)
+            r = self.signals.replicas(pool) if self.cfg.planner else None
             out[pool] = r if r is not None else self.cfg.minimum[pool]
         return out
 
@@ -123,6 +127,7 @@ class DemoRun:
                 title,
                 notes=self.notes
                 + ([f"WARNING: no token for {stalled:.0f} s"] if stalled >= STALL_WARN_S else []),
+                connector={p: self.signals.connector_counts(p) for p in self.replicas()},
             )
             self.out.write(CLEAR + screen + "\n")
             self.out.flush()
@@ -168,11 +173,15 @@ class DemoRun:
             self.say("workers         1 prefill + 1 decode (vLLM NixlConnector over NIXL, CPU KV buffers)")
 
     def start_planner(self) -> None:
-        self.sup.start("planner", stack.planner_argv(self.cfg), stack.stack_env(self.cfg))
         c = self.cfg
+        if not c.planner:
+            self.say("planner         OFF (baseline run: the same load on the initial workers)")
+            return
+        self.sup.start("planner", stack.planner_argv(self.cfg), stack.stack_env(self.cfg))
         self.say(
             f"planner         local connector, prefill {c.minimum['prefill']}..{0 if c.agg else c.prefill_max}, "
             f"decode {c.decode_min}..{c.decode_max}, every {c.planner_interval_s:g} s"
+            + (f", {c.decode_standby} warm decode standby" if c.decode_standby else "")
         )
 
     def _wait_port(self, port: int, name: str, timeout: float) -> None:
@@ -200,7 +209,7 @@ class DemoRun:
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(url).status_code == 200:
                         self.say(f"model ready after {waited:.0f} s")
-                        return
+                        break
                 self.signals.poll()
                 failure = self.sup.check()
                 if failure is not None:
@@ -214,6 +223,37 @@ class DemoRun:
                     last_msg = waited
                     self.say(f"  ... still starting ({waited:.0f} s)")
                 time.sleep(1.0)
+        self.wait_standby(start)
+
+    def standby_warm(self) -> int:
+        counts = self.signals.connector_counts("decode")
+        return counts.get("standby", 0) if counts else 0
+
+    def wait_standby(self, start: float) -> None:
+        """Until the planner's decode standby is loaded (the burst must find it warm)."""
+        want = self.cfg.decode_standby if self.cfg.planner else 0
+        if want <= 0:
+            return
+        last_msg = 0.0
+        self.say(f"waiting for the planner's {want} decode standby to load (warm, not registered) ...")
+        while True:
+            waited = time.monotonic() - start
+            self.signals.poll()
+            if self.standby_warm() >= want:
+                self.say(f"decode standby warm after {waited:.0f} s")
+                return
+            failure = self.sup.check()
+            if failure is not None:
+                raise ComponentFailed(failure)
+            if waited > self.startup_timeout_s:
+                raise StartupTimeout(
+                    f"the planner's decode standby was not warm after {self.startup_timeout_s:.0f} s; see "
+                    f"{self.cfg.run_dir / 'logs'} (planner.log, decode-*.log)"
+                )
+            if waited - last_msg >= 15:
+                last_msg = waited
+                self.say(f"  ... standby still loading ({waited:.0f} s)")
+            time.sleep(1.0)
 
     async def drive(self) -> None:
         phases = stack.load_phases(self.cfg.duration_s, self.cfg.intensity)
@@ -230,7 +270,7 @@ class DemoRun:
             task.result()
             # Settle: keep watching until both pools are back at their minimum (or the timeout).
             deadline = time.monotonic() + self.settle_timeout_s
-            while time.monotonic() < deadline and not self._at_minimum():
+            while self.cfg.planner and time.monotonic() < deadline and not self._at_minimum():
                 self.load.phase = "settle"
                 self.tick()
                 await asyncio.sleep(1.0)
@@ -254,7 +294,8 @@ class DemoRun:
         self.signals.poll()
         burst = next((p for p in self.load.phase_times if p[0] == "burst"), None)
         b0, b1 = (burst[1], burst[2]) if burst else (self.t0, time.time())
-        self.verdict = judge(self.signals.decisions, b0, b1, self.cfg.minimum)
+        scaled = scaled_replica(self.signals.samples, self.signals.decisions, self.signals.events, b0, b1)
+        self.verdict = judge(self.signals.decisions, b0, b1, self.cfg.minimum, scaled=scaled)
         with open(self.cfg.run_dir / "requests.jsonl", "w", encoding="utf-8") as fh:
             for r in self.load.results:
                 fh.write(json.dumps(asdict(r)) + "\n")
@@ -273,11 +314,16 @@ class DemoRun:
             minimum=self.cfg.minimum,
             settings=settings,
             notes=self.notes,
+            events=self.signals.events,
+            planner=self.cfg.planner,
+            baseline=self.baseline,
         )
         self.report_path = write_report(data, self.cfg.run_dir / "report")
         v = self.verdict
+        latency = latency_summary(self.load.results)
         summary = {
-            "passed": v.passed,
+            "planner": self.cfg.planner,
+            "passed": v.passed if self.cfg.planner else None,
             "lines": list(v.lines),
             "decode_scaled_up": v.decode_scaled_up,
             "decode_up_after_s": v.decode_up_after_s,
@@ -286,16 +332,30 @@ class DemoRun:
             "wrong_pool_actions": len(v.wrong_pool_actions),
             "returned_to_min": v.returned_to_min,
             "final_replicas": v.final_replicas,
+            "scaled_replica_took_load": v.took_load,
+            "scaled_replica_worker": scaled.worker_id,
+            "scaled_replica_first_work_s": scaled.first_work_s,
+            "scaled_replica_decode_share": scaled.decode_share,
             "burst": [b0, b1],
-            "latency": latency_summary(self.load.results),
+            "latency": latency,
             "report": str(self.report_path),
         }
+        if self.baseline is not None:
+            summary["compare"] = {"planner_off": self.baseline}
         (self.cfg.run_dir / "verdict.json").write_text(json.dumps(summary, indent=2, default=str))
         self.say("")
         self.say(f"report: {self.report_path}")
+        if not self.cfg.planner:
+            self.say("planner off (baseline): " + burst_line(latency))
+            return
         self.say("verdict:")
         for line in v.lines:
             self.say(f"  {line}")
+        if self.baseline is not None:
+            base = self.baseline.get("latency", {})
+            self.say("compare (same load):")
+            self.say(f"  planner on:  {burst_line(latency)}")
+            self.say(f"  planner off: {burst_line(base if isinstance(base, dict) else {})}")
 
     def hold_open(self) -> None:
         """``--keep-running``: leave the stack up until Ctrl-C."""
@@ -380,6 +440,20 @@ class DemoRun:
             )
         )
         self.say(f"all processes stopped; logs in {self.cfg.run_dir / 'logs'}")
+
+
+def burst_line(latency: dict[str, dict[str, object]]) -> str:
+    """The burst's requests, tokens and latency percentiles in one line."""
+    b = latency.get("burst") or {}
+
+    def ms(key: str) -> str:
+        v = b.get(key)
+        return "-" if v is None else f"{float(v) * 1000:.0f} ms"  # type: ignore[arg-type]
+
+    return (
+        f"burst {b.get('requests', 0)} requests, {b.get('tokens', 0)} tokens; TTFT p50 {ms('ttft_p50')} "
+        f"p90 {ms('ttft_p90')}; ITL p50 {ms('itl_p50')} p90 {ms('itl_p90')}"
+    )
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:

@@ -1,4 +1,6 @@
-"""Read the two JSON-line streams the demo records: FPM records (watch CLI ``--json``) and planner decisions.
+"""Read the JSON-line streams the demo records: FPM records (watch CLI ``--json``), planner decisions, and
+the planner's ``local`` connector events (``logs/local-connector-events.jsonl``: workers started, promoted,
+serving, parked, stopped, with the per-pool counts after each).
 
 Parsing is tolerant on purpose (key aliases, missing fields): the files are written by other processes
 that may be mid-line or of a slightly different version; a bad line is counted, never fatal.
@@ -148,6 +150,48 @@ def parse_decision_line(obj: dict[str, Any]) -> Decision | None:
     )
 
 
+@dataclass(frozen=True)
+class ConnectorEvent:
+    """One event of the planner's local connector; ``counts[pool]`` has members, serving, starting, standby,
+    standby_loading, draining after it."""
+
+    t: float
+    event: str
+    pool: str
+    index: int
+    role: str
+    state: str = ""
+    worker_id: str = ""
+    counts: dict[str, dict[str, int]] = field(default_factory=dict, compare=False)
+    since: float = 0.0  # state events: when the worker changed state (the connector notices at its next poll)
+
+    @property
+    def happened(self) -> float:
+        return self.since if self.event == "state" and self.since > 0 else self.t
+
+
+def parse_connector_event(obj: dict[str, Any]) -> ConnectorEvent | None:
+    pool = str(obj.get("pool", ""))
+    if pool not in POOLS or "event" not in obj:
+        return None
+    counts = obj.get("counts") if isinstance(obj.get("counts"), dict) else {}
+    return ConnectorEvent(
+        t=_num(obj.get("t")),
+        event=str(obj["event"]),
+        pool=pool,
+        index=int(_num(obj.get("index"))),
+        role=str(obj.get("role", "")),
+        state=str(obj.get("state", "") or ""),
+        worker_id=str(obj.get("worker_id", "") or ""),
+        counts={
+            str(k): {str(a): int(_num(b)) for a, b in v.items()}
+            for k, v in counts.items()
+            if isinstance(v, dict)
+        },
+        since=_num(obj.get("since")),
+    )
+
+
 class JsonlTail:
     """Incremental reader of a JSON-lines file that another process is appending to."""
 
@@ -188,14 +232,17 @@ class Signals:
 
     fpm_path: Path
     decision_path: Path
+    events_path: Path | None = None
     samples: list[FpmSample] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
+    events: list[ConnectorEvent] = field(default_factory=list)
     latest: dict[tuple[str, str, int], FpmSample] = field(default_factory=dict)
     stale_after_s: float = 5.0
 
     def __post_init__(self) -> None:
         self._fpm = JsonlTail(self.fpm_path)
         self._dec = JsonlTail(self.decision_path)
+        self._ev = JsonlTail(self.events_path) if self.events_path is not None else None
 
     def poll(self) -> None:
         for obj in self._fpm.read_new():
@@ -207,6 +254,17 @@ class Signals:
             d = parse_decision_line(obj)
             if d is not None:
                 self.decisions.append(d)
+        for obj in self._ev.read_new() if self._ev is not None else []:
+            e = parse_connector_event(obj)
+            if e is not None:
+                self.events.append(e)
+
+    def connector_counts(self, pool: str) -> dict[str, int] | None:
+        """The pool's counts after the connector's latest event (None: no event yet)."""
+        for e in reversed(self.events):
+            if pool in e.counts:
+                return e.counts[pool]
+        return None
 
     def live_engines(self, now: float | None = None) -> list[FpmSample]:
         now = now if now is not None else time.time()

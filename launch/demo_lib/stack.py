@@ -48,6 +48,11 @@ class DemoConfig:
     decode_max: int = 2
     planner_interval_s: float = 3.0
     scale_down_window_s: float = 15.0
+    # Warm decode standbys the planner's connector keeps (loaded, unregistered): a scale-up promotes one in
+    # well under a second instead of waiting 1-2 minutes for a model load on a busy CPU host.
+    decode_standby: int = 1
+    # False: the same stack and load without the planner (``--compare``'s baseline).
+    planner: bool = True
     # Engine shape: a small KV cache so the decode-heavy burst really fills it.
     max_model_len: int = 1536
     block_size: int = 32
@@ -75,6 +80,11 @@ class DemoConfig:
     @property
     def decision_path(self) -> Path:
         return self.run_dir / "decisions.jsonl"
+
+    @property
+    def connector_events_path(self) -> Path:
+        """The planner's local connector writes its events into its log folder (``logs/``)."""
+        return self.run_dir / "logs" / "local-connector-events.jsonl"
 
     @property
     def minimum(self) -> dict[str, int]:
@@ -208,6 +218,7 @@ def planner_config(cfg: DemoConfig) -> dict[str, object]:
             "log_dir": str(cfg.run_dir / "logs"),
             "initial_prefill": 0 if cfg.agg else 1,
             "initial_decode": 1,
+            "standby_decode": cfg.decode_standby,
         },
     }
 

@@ -1,14 +1,16 @@
-"""The demo's three-line verdict, computed from the planner's decision log alone (pure, no I/O).
+"""The demo's verdict (pure, no I/O): the planner's decisions, and whether the replica it added took load.
 
 The load is decode-heavy by design (short prompts, long generations), so the right answer is: scale the
-decode pool up during the burst, never touch the prefill pool upwards, and bring both back to their
-minimum once the load is gone.
+decode pool up during the burst, never touch the prefill pool upwards, bring both back to their minimum
+once the load is gone, and - judged by outcome, not by decisions - the added decode replica must schedule
+work soon after the decision and carry a fair share of the burst's decode tokens (``outcome.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .outcome import ScaledReplica, describe
 from .signals import Decision
 
 
@@ -22,11 +24,18 @@ class Verdict:
     final_replicas: dict[str, int] = field(default_factory=dict)
     returned_to_min: bool = False
     back_to_min_after_s: float | None = None  # from the burst's end to the last pool reaching its minimum
-    lines: tuple[str, str, str] = ("", "", "")
+    lines: tuple[str, ...] = ("", "", "")
+    scaled: ScaledReplica | None = None  # None: not judged (the planner was off)
+
+    @property
+    def took_load(self) -> bool:
+        return self.scaled is not None and self.scaled.took_load
 
     @property
     def passed(self) -> bool:
-        return self.decode_scaled_up and not self.wrong_pool_actions and self.returned_to_min
+        return (
+            self.decode_scaled_up and not self.wrong_pool_actions and self.returned_to_min and self.took_load
+        )
 
 
 def final_replicas(decisions: list[Decision], minimum: dict[str, int]) -> dict[str, int]:
@@ -43,8 +52,10 @@ def judge(
     burst_end: float,
     minimum: dict[str, int],
     grace_s: float = 30.0,
+    scaled: ScaledReplica | None = None,
 ) -> Verdict:
-    """Judge the planner: right pool during the burst, speed, wrong-pool actions, back to minimum.
+    """Judge the planner: right pool during the burst, speed, wrong-pool actions, back to minimum, and
+    (``scaled``, see ``outcome.scaled_replica``) whether the added replica took load.
 
     ``grace_s``: a decode scale-up this long after the burst's end still counts as a reaction to it.
     """
@@ -113,5 +124,6 @@ def judge(
         final_replicas=final,
         returned_to_min=at_min,
         back_to_min_after_s=back_after,
-        lines=(line1, line2, line3),
+        lines=(line1, line2, line3, describe(scaled if scaled is not None else ScaledReplica())),
+        scaled=scaled if scaled is not None else ScaledReplica(),
     )

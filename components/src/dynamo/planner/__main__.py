@@ -190,6 +190,11 @@ async def build_connector(cfg: PlannerConfig, runtime: Any) -> Any:
             stop_timeout_s=lc.stop_timeout_s,
             initial_prefill=lc.initial_prefill,
             initial_decode=lc.initial_decode,
+            standby_prefill=lc.standby_prefill,
+            standby_decode=lc.standby_decode,
+            max_prefill=cfg.prefill.max_replicas,
+            max_decode=cfg.decode.max_replicas,
+            adopt=lc.adopt,
         )
     from .connector_kubernetes import KubernetesConnector
 

@@ -90,6 +90,11 @@ class LocalConfig:
     # Processes already running at start (started by someone else) are not ours to stop.
     initial_prefill: int = 0
     initial_decode: int = 0
+    # Warm standbys per pool: loaded but unregistered workers (DYN_VLLM_STANDBY=1) a scale-up promotes.
+    standby_prefill: int = 0
+    standby_decode: int = 0
+    # Workers a previous planner started (recorded in log_dir): adopt them (true) or stop them (false).
+    adopt: bool = True
 
 
 @dataclass(frozen=True)
@@ -316,6 +321,15 @@ def _check(cfg: PlannerConfig) -> None:
         for name in ("prefill", "decode"):
             if not getattr(cfg.local, f"{name}_command"):
                 raise ConfigError(f"local.{name}_command: a worker command template is required")
+    for key in ("initial_prefill", "initial_decode", "standby_prefill", "standby_decode"):
+        positive(f"local.{key}", getattr(cfg.local, key), allow_zero=True)
+    positive("local.stop_timeout_s", cfg.local.stop_timeout_s)
+    for name in ("prefill", "decode"):
+        standby = getattr(cfg.local, f"standby_{name}")
+        if standby and cfg.pool(name).max_replicas == 0:
+            raise ConfigError(
+                f"local.standby_{name}: the {name} pool has max_replicas 0, a standby would never serve"
+            )
     if cfg.metrics_port is not None and not 0 <= cfg.metrics_port < 65536:
         raise ConfigError(f"metrics_port: {cfg.metrics_port} is not a port")
 

@@ -652,9 +652,11 @@ def rule_bounds(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
 
 
 def _starting(d: Draft, status_starting: int | None) -> int:
+    """Replicas still starting: the connector's count, never more than those not publishing yet."""
+    silent = max(d.replicas - d.pool.workers, 0)
     if status_starting is not None:
-        return status_starting
-    return max(d.replicas - d.pool.workers, 0) if d.st.in_flight is not None else 0
+        return min(status_starting, silent)
+    return silent if d.st.in_flight is not None else 0
 
 
 def rule_mismatch(d: Draft, obs: Observation, cfg: PlannerConfig) -> int:

@@ -49,6 +49,8 @@ class WorkerConfig:
     metrics_port: int | None = None
     fpm_enabled: bool = True
     custom_jinja_template: str | None = None
+    standby: bool = False
+    state_file: str | None = None
     scheduler_cls: str | None = None
     kv_transfer_config: Any = None
     engine_args: Any = field(default=None, repr=False)
@@ -156,6 +158,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Chat template file for the frontend, for models whose tokenizer has none; unset: the model's",
     )
+    g.add_argument(
+        "--standby",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("DYN_VLLM_STANDBY", False),
+        help="Load the engine but stay unregistered (no routing, no FPM) until SIGUSR1 registers the "
+        "worker; SIGHUP then parks it again (unregister, drain, stand by). env: DYN_VLLM_STANDBY",
+    )
+    g.add_argument(
+        "--state-file",
+        default=_env("DYN_WORKER_STATE_FILE", None),
+        help="Write the worker's state (loading, standby, serving, draining) to this JSON file for a "
+        "supervisor. env: DYN_WORKER_STATE_FILE",
+    )
 
 
 class WorkerArgumentParser(argparse.ArgumentParser):
@@ -261,6 +276,8 @@ def config_from_namespace(ns: argparse.Namespace, engine_args: Any) -> WorkerCon
         metrics_port=ns.metrics_port,
         fpm_enabled=ns.fpm_enabled,
         custom_jinja_template=ns.custom_jinja_template,
+        standby=ns.standby,
+        state_file=ns.state_file,
         scheduler_cls=_scheduler_name(engine_args.scheduler_cls),
         kv_transfer_config=engine_args.kv_transfer_config,
         engine_args=engine_args,

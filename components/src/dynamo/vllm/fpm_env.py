@@ -25,6 +25,7 @@ ENV_ENDPOINT = "DYN_FPM_ENDPOINT"
 ENV_WORKER_ID = "DYN_FPM_WORKER_ID"
 ENV_NATS = "NATS_SERVER"
 ENV_STATS_FILE = "DYN_FPM_STATS_FILE"
+ENV_GATE_FILE = "DYN_FPM_GATE_FILE"
 ENV_SNAPSHOT_INTERVAL = "DYN_FPM_SNAPSHOT_INTERVAL"
 ENV_HEARTBEAT_INTERVAL = "DYN_FPM_HEARTBEAT_INTERVAL"
 ENV_AUDIT_INTERVAL = "DYN_FPM_AUDIT_INTERVAL"
@@ -58,6 +59,7 @@ class FpmSettings:
     worker_id: str | None = None
     nats_url: str | None = None
     stats_file: str | None = None
+    gate_file: str | None = None  # heartbeats wait while it is missing (a standby worker)
     snapshot_interval: float = DEFAULT_SNAPSHOT_INTERVAL
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     audit_interval: float = DEFAULT_AUDIT_INTERVAL
@@ -78,6 +80,7 @@ class FpmSettings:
             worker_id=env.get(ENV_WORKER_ID, "").strip() or None,
             nats_url=env.get(ENV_NATS, "").strip() or None,
             stats_file=env.get(ENV_STATS_FILE, "").strip() or None,
+            gate_file=env.get(ENV_GATE_FILE, "").strip() or None,
             snapshot_interval=number(
                 env, ENV_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_INTERVAL, allow_zero=False, what=SECONDS
             ),

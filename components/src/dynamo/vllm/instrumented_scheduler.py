@@ -187,6 +187,7 @@ class FpmInstrumentation:
             nats_url=settings.nats_url,
             heartbeat_interval=settings.heartbeat_interval,
             stats_file=settings.stats_file_for(dp_rank),
+            gate_file=settings.gate_file,
         )
 
     # --------------------------------------------------------------- queued state

@@ -3,7 +3,9 @@
 Startup: parse and validate (exit 2 on bad arguments, before anything starts), choose the scheduler,
 let vLLM validate its whole config, create the Dynamo runtime and the generate endpoint, export the
 FPM environment (worker id = the endpoint's connection id), start the engine, serve, register, report
-ready. Shutdown on SIGTERM/SIGINT: drain (see ``drain.py``), stop the engine, stop the runtime.
+ready. With ``--standby`` the worker waits, loaded and unregistered, for SIGUSR1 before it serves and
+registers, and SIGHUP parks it again (``standby.py``). Shutdown on SIGTERM/SIGINT: drain (see
+``drain.py``), stop the engine, stop the runtime.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from typing import Any
 from urllib.parse import urlparse
 
+from dynamo.common import worker_state as ws
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
 from dynamo.vllm import registration, shm_wait
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.drain import ExitCode, InflightTracker, drain
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
+from dynamo.vllm.fpm_env import ENV_GATE_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.handlers import RequestHandler
 from dynamo.vllm.health import (
@@ -35,6 +40,7 @@ from dynamo.vllm.health import (
     transport_health_from_env,
     wait_engine_dead,
 )
+from dynamo.vllm.standby import StandbyControl, early_options, gate_path
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -78,7 +84,7 @@ def prepare(config: WorkerConfig) -> Any:
         fail(_one_line(exc))
 
 
-async def serve(config: WorkerConfig, vllm_config: Any) -> int:
+async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl | None = None) -> int:
     """Run the worker until a signal or an engine death; returns the process exit code."""
     from dynamo.runtime import DistributedRuntime
 
@@ -88,6 +94,10 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if control is None:
+        control = StandbyControl(config.standby, config.state_file)
+    control.standby, control.state_file = config.standby, config.state_file
+    control.attach(loop)
 
     disagg_env = eng.disaggregation_environment(
         config.disaggregation_mode, dict(os.environ), stable_free_port(), cpu_platform=eng.is_cpu_platform()
@@ -120,8 +130,12 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
     readiness.set(False)
     endpoint = runtime.endpoint(config.endpoint_path)
     worker_id = str(endpoint.connection_id())
+    control.worker_id = worker_id
     stats_dir = eng.make_stats_dir()
     fpm_env = eng.fpm_environment(config, worker_id, config.fpm_enabled, stats_dir)
+    if config.standby:  # no FPM heartbeats until registered: a standby is no pool member
+        control.gate_file = gate_path(stats_dir)
+        fpm_env[ENV_GATE_FILE] = str(control.gate_file)
     os.environ.update(fpm_env)
     log.info(
         "worker %s serving %s (%s mode), FPM %s",
@@ -170,62 +184,132 @@ async def serve(config: WorkerConfig, vllm_config: Any) -> int:
             capacity.data_parallel_start_rank,
             capacity.data_parallel_size,
         )
-        serve_task = asyncio.ensure_future(
-            endpoint.serve_endpoint(
-                handler.generate,
-                graceful_shutdown=True,
-                metrics_labels=[("model", config.served_model_name)],
-                health_check_payload=HEALTH_CHECK_PAYLOAD,
-            )
-        )
         model_path = (
             config.model
             if not os.path.isdir(os.path.expanduser(config.model))
             else os.path.abspath(os.path.expanduser(config.model))
         )
-        await registration.register(
-            endpoint,
-            config.disaggregation_mode,
-            model_path,
-            config.served_model_name,
-            capacity,
-            config.custom_jinja_template,
-        )
-        keepalive = start_for_worker(config.discovery_backend, int(worker_id))
-        readiness.set(True)
-        log.info(
-            "ready: %s (%s), %d KV blocks of %d tokens",
-            config.served_model_name,
-            worker_id,
-            capacity.total_kv_blocks,
-            capacity.block_size,
-        )
+
+        async def register() -> None:
+            await registration.register(
+                endpoint,
+                config.disaggregation_mode,
+                model_path,
+                config.served_model_name,
+                capacity,
+                config.custom_jinja_template,
+            )
+
+        def go_live() -> FileDiscoveryKeepAlive | None:
+            alive = start_for_worker(config.discovery_backend, int(worker_id))
+            control.open_gate()
+            readiness.set(True)
+            control.write(ws.SERVING)
+            return alive
 
         stop_wait = loop.create_task(stop.wait())
         dead_wait = loop.create_task(wait_engine_dead(engine))
-        done, _ = await asyncio.wait({stop_wait, dead_wait, serve_task}, return_when=asyncio.FIRST_COMPLETED)
+
+        async def first_of(*extra: asyncio.Future[Any]) -> set[asyncio.Future[Any]]:
+            """Wait for a stop signal, the engine's death, or one of ``extra`` (cancelled if not done)."""
+            done, _ = await asyncio.wait({stop_wait, dead_wait, *extra}, return_when=asyncio.FIRST_COMPLETED)
+            for fut in extra:
+                if fut not in done and fut is not serve_task:
+                    fut.cancel()
+            return set(done)
+
+        registered = True
+        if config.standby:
+            control.write(ws.STANDBY)
+            log.info(
+                "standby: %s loaded (%s), not registered; `kill -USR1 %d` registers it",
+                config.served_model_name,
+                worker_id,
+                os.getpid(),
+            )
+            promote = loop.create_task(control.promoted())
+            registered = promote in await first_of(promote)
+        if registered:
+            t0 = time.monotonic()
+            serve_task = asyncio.ensure_future(
+                endpoint.serve_endpoint(
+                    handler.generate,
+                    graceful_shutdown=True,
+                    metrics_labels=[("model", config.served_model_name)],
+                    health_check_payload=HEALTH_CHECK_PAYLOAD,
+                )
+            )
+            await register()
+            keepalive = go_live()
+            log.info(
+                "ready: %s (%s), %d KV blocks of %d tokens; registered in %.3f s",
+                config.served_model_name,
+                worker_id,
+                capacity.total_kv_blocks,
+                capacity.block_size,
+                time.monotonic() - t0,
+            )
+            while True:
+                park = loop.create_task(control.parked()) if config.standby else None
+                done = await first_of(serve_task, *([park] if park is not None else []))
+                if park is None or park not in done:
+                    break
+                # Park: leave routing, finish what runs, stand by again.
+                readiness.set(False)
+                if keepalive is not None:
+                    keepalive.stop()
+                    keepalive = None
+                control.write(ws.DRAINING)
+                report = await drain(
+                    tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
+                )
+                tracker.accepting = True
+                control.close_gate()
+                control.write(ws.STANDBY)
+                log.info(
+                    "parked: unregistered, %d request(s) drained, %d aborted; standing by",
+                    report.inflight_at_start,
+                    report.aborted,
+                )
+                registered = False
+                promote = loop.create_task(control.promoted())
+                if promote not in await first_of(promote):
+                    break
+                t0 = time.monotonic()
+                await endpoint.register_endpoint_instance()
+                await register()
+                keepalive = go_live()
+                registered = True
+                log.info("registered again in %.3f s", time.monotonic() - t0)
+
         for task in (stop_wait, dead_wait):
-            task.cancel()
+            if not task.done():
+                task.cancel()
         readiness.set(False)
         if keepalive is not None:
             keepalive.stop()
-        if stop_wait in done:
-            log.info("signal received: draining (grace period %.1f s)", config.drain_timeout_s)
-            report = await drain(
-                tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
-            )
-            log.info(
-                "drained: unregistered in %.3f s, waited %.2f s for %d request(s), aborted %d",
-                report.unregister_s,
-                report.waited_s,
-                report.inflight_at_start,
-                report.aborted,
-            )
-            code = report.exit_code
+        if stop_wait.done() and not dead_wait.done():
+            if registered:
+                log.info("signal received: draining (grace period %.1f s)", config.drain_timeout_s)
+                control.write(ws.DRAINING)
+                report = await drain(
+                    tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
+                )
+                log.info(
+                    "drained: unregistered in %.3f s, waited %.2f s for %d request(s), aborted %d",
+                    report.unregister_s,
+                    report.waited_s,
+                    report.inflight_at_start,
+                    report.aborted,
+                )
+                code = report.exit_code
+            else:
+                log.info("signal received while standing by: stopping")
         else:
             log.error("engine died or the endpoint stopped serving; exiting")
-            with contextlib.suppress(Exception):
-                await registration.unregister(endpoint)
+            if registered:
+                with contextlib.suppress(Exception):
+                    await registration.unregister(endpoint)
             code = ExitCode.ENGINE_DIED
     finally:
         if keepalive is not None:  # before the runtime deletes our entries: never write them back
@@ -257,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         shm_wait.sleep_us_from(os.environ)
     except ValueError as exc:
         fail(str(exc))
+    # SIGUSR1 must never kill a worker that is still importing vLLM: handlers first, then "loading".
+    try:
+        control = StandbyControl(*early_options(list(sys.argv[1:] if argv is None else argv), os.environ))
+    except ValueError as exc:
+        fail(str(exc))
+    control.install_early()
     config = parse_args(argv)
     try:
         transport_health_from_env(os.environ)
@@ -264,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(exc))
     vllm_config = prepare(config)
     try:
-        return asyncio.run(serve(config, vllm_config))
+        return asyncio.run(serve(config, vllm_config, control))
     except Exception as exc:
         log.exception("worker failed")
         print(f"dynamo.vllm: error: {_one_line(exc)}", file=sys.stderr)

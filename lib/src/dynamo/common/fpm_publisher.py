@@ -24,6 +24,8 @@ first) once a connection is back. The sender reconnects forever with exponential
 Idle heartbeat: when nothing was sent for ``heartbeat_interval`` seconds the sender repeats the
 idle record (identity only, or a snapshot the caller handed over with ``set_idle_record``);
 ``set_idle_record(None)`` suspends heartbeats (the scheduler does this while it has requests).
+With ``gate_file`` set, heartbeats are held while that file is missing: a standby worker (loaded, not
+registered) stays out of every tracker until it registers and creates the file.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class FpmDirectPublisher:
         max_queue: int = 8192,
         heartbeat_interval: float = 1.0,
         stats_file: str | None = None,
+        gate_file: str | None = None,
         start: bool = True,
     ) -> None:
         if max_queue < 1:
@@ -144,6 +147,8 @@ class FpmDirectPublisher:
         self.max_queue = max_queue
         self.heartbeat_interval = heartbeat_interval
         self.stats_file = stats_file
+        # Heartbeats wait while this file is missing (a standby worker is not registered yet).
+        self.gate_file = gate_file
         self.publisher_id = _new_publisher_id()
         self._pub_head = f"PUB {self.subject} ".encode()
         self._raw_frames = True  # set per connection: does this nats-py have the internals we use?
@@ -296,7 +301,8 @@ class FpmDirectPublisher:
                     and self._idle_record is not None
                     and now - last_sent >= self.heartbeat_interval
                 ):
-                    await self._send_heartbeat(nc)
+                    if self.gate_file is None or os.path.exists(self.gate_file):
+                        await self._send_heartbeat(nc)
                     last_sent = now
                 if self.stats_file and now >= next_stats:
                     self._write_stats_file()
