@@ -609,3 +609,13 @@ def test_an_on_time_tick_after_a_late_one_may_act() -> None:
     # Called again within half an interval: held.
     d2, _ = decide(obs(12.0, [heartbeat("p0")], two, decode_replicas=2), state, cfg)
     assert d2.decode.action == "hold" and "last step" in d2.decode.reason
+
+
+def test_a_publishing_replica_is_never_counted_as_starting() -> None:
+    """A connector that still calls a publishing worker "starting" (its state file lags) does not hide load."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(1.15 * KV))]
+    o = obs(0.0, [heartbeat("p0")], decode)
+    o = type(o)(o.now, o.prefill, type(o.decode)(**{**_fields(o.decode), "starting": 1}), o.settled)
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "scale_up" and "over 1" in d.decode.reason, d.decode.reason
