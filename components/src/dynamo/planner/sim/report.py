@@ -31,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import EngFormatter
+from matplotlib.ticker import EngFormatter, MaxNLocator
 
 __all__ = ["BIN_S", "render_figure", "render_html", "write_report"]
 
@@ -222,7 +222,8 @@ def render_figure(result: Mapping[str, Any]) -> bytes:
                     linewidth=dense,
                     label=f"{pool} pool",
                 )
-            ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1.0))  # whole tokens: no "50m" on an empty queue
+            ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1.0))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # whole tokens: no "200m" on an empty queue
         else:
             _no_data(ax, "no planner ticks recorded")
 
