@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
-from .config import PlannerConfig, Thresholds
+from .config import PlannerConfig
 from .observations import EngineObs, Observation, PoolObs
 
 PoolName = Literal["prefill", "decode"]
@@ -970,7 +970,3 @@ def settle(state: PolicyState, *, dry_run: bool = False, failed: Iterable[PoolNa
         if dry_run or p in failed:
             state = state.with_pool(p, replace(st, in_flight=None, startup_probe=None))
     return state
-
-
-def thresholds_of(cfg: PlannerConfig) -> Thresholds:
-    return cfg.effective_thresholds()
