@@ -261,18 +261,10 @@ def _needed_replicas(engines_needed: float, pool: PoolObs) -> int:
     return max(1, math.ceil(engines_needed / _per_worker(pool) - 1e-9))
 
 
-def _project(
-    view: PoolView, demand: float, now: float
-) -> tuple[float, float, tuple[tuple[float, float], ...]]:
-    """(slope, projected demand, new trend samples): demand expected when a replica asked now is ready."""
-    cfg = view.cfg
-    window = cfg.trend_window_s
-    samples = (*(s for s in view.state.trend if now - s[0] <= window), (now, demand))
-    slope = trend_slope(samples)
-    growth = max(slope, 0.0) * view.lead_s
-    # A trend is a guess: never project more than ``projection_cap`` times today's demand on top of it.
-    growth = min(growth, cfg.projection_cap * max(demand, 1.0))
-    return slope, demand + growth, samples
+def _trend(view: PoolView, value: float, now: float) -> tuple[tuple[float, float], ...]:
+    """The pool's (time, value) samples inside ``trend_window_s``, with today's appended."""
+    window = view.cfg.trend_window_s
+    return (*(s for s in view.state.trend if now - s[0] <= window), (now, value))
 
 
 def _capacity_unknown(pool: PoolObs, field: str) -> Sizing | None:
@@ -290,14 +282,25 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     loads: list[float] = []
     transfer = waiting = bound = 0
     slot_max = 0.0
+    # The pool's demand: what the engines hold, plus their queues counted up to ``decode_queue_weight``
+    # times what they hold. A queue behind full slots says the pool is short, not by how much: the
+    # backlog stays with its engine (it drains there), so counted in full it sizes the fleet for a moment.
+    cap = cfg.decode_queue_weight
+    demand = 0.0
     for e in pool.engines:
         dd = decode_demand(e, cfg.transfer_bound_weight, up)
-        loads.append(decode_load(e, dd))
+        load = decode_load(e, dd)
+        loads.append(load)
         transfer += dd.transfer_tokens
         waiting += dd.waiting_tokens
         bound += dd.transfer_bound
-        if e.capacity.max_num_seqs:
-            slot_max = max(slot_max, dd.requests / e.capacity.max_num_seqs)
+        seqs = e.capacity.max_num_seqs
+        s = e.record.scheduled_requests
+        held = s.sum_decode_kv_tokens / (e.capacity.kv_tokens or 1)
+        if seqs:
+            slot_max = max(slot_max, dd.requests / seqs)
+            held = max(held, s.num_decode_requests / seqs)
+        demand += held + min(max(load - held, 0.0), cap * max(held, 1.0))
     details: dict[str, Any] = {
         "decode_kv_tokens": sum(e.record.scheduled_requests.sum_decode_kv_tokens for e in pool.engines),
         "queued_decode_kv_tokens": sum(e.record.queued_requests.sum_decode_kv_tokens for e in pool.engines),
@@ -306,25 +309,15 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         "transfer_bound_engines": bound,
         "slot_load_max": round(slot_max, 4),
     }
-    # The pool's demand: what the engines hold, plus their queues counted up to ``queue_cap`` times
-    # what they hold. A queue behind full slots says the pool is short, not by how much: the backlog
-    # stays with its engine (it drains there), so counted in full it sizes the fleet for a moment.
-    cap = cfg.decode_queue_weight
-    demand = 0.0
-    for e, ld in zip(pool.engines, loads, strict=True):
-        s = e.record.scheduled_requests
-        seqs = e.capacity.max_num_seqs
-        h = s.sum_decode_kv_tokens / (e.capacity.kv_tokens or 1)
-        if seqs:
-            h = max(h, s.num_decode_requests / seqs)
-        demand += h + min(max(ld - h, 0.0), cap * max(h, 1.0))
-    slope, projected, samples = _project(view, demand, now)
+    samples = _trend(view, demand, now)
     st = replace(view.state, trend=samples)
+    slope, r2 = trend_fit(samples)
+    # A trend is a guess: never project more than ``projection_cap`` times today's demand on top of it.
+    projected = demand + min(max(slope, 0.0) * view.lead_s, cfg.projection_cap * max(demand, 1.0))
     # A consistent rise (not one step) may trigger a scale-up before today's demand does.
-    _, r2 = trend_fit(samples)
     sustained = len(samples) >= 4 and slope > 0 and r2 >= cfg.trend_min_r2
     details["trend_r2"] = round(r2, 3)
-    return _size(view, loads, demand, projected, slope, up, down, target, details, "", sustained), st
+    return _size(view, loads, demand, projected, slope, up, down, target, details, sustained), st
 
 
 def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
@@ -349,7 +342,7 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
             r = s.sum_prefill_tokens / e.record.wall_time
             rate = r if rate is None else 0.8 * rate + 0.2 * r
     backlog = sum(queued)
-    _, _, samples = _project(view, backlog, now)
+    samples = _trend(view, backlog, now)
     # The queue's growth over the last interval, not over the whole trend window: a burst's first
     # seconds must not be averaged with the quiet minute before it (the queue integrates arrivals,
     # so two samples are enough).
@@ -362,7 +355,7 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     }
     saturated = sum(1 for ld in loads if ld >= up)
     if rate is None or rate <= 0 or saturated == 0:
-        return _size(view, loads, None, None, slope, up, down, target, details, ""), st
+        return _size(view, loads, None, None, slope, up, down, target, details), st
     deficit = max(slope, 0.0) / rate
     # Until the replicas already asked for serve, the queue keeps growing at this rate.
     probe = view.state.startup_probe
@@ -380,7 +373,7 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     drain = min((backlog + growth) / (rate * cfg.prefill_drain_s), demand)
     projected = demand + drain * target  # the drain term is already in engines at the target
     details.update(deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
-    return _size(view, loads, demand, projected, slope, up, down, target, details, "", late=late), st
+    return _size(view, loads, demand, projected, slope, up, down, target, details, late=late), st
 
 
 def _size(
@@ -393,12 +386,12 @@ def _size(
     down: float,
     target: float,
     details: dict[str, Any],
-    note: str,
     sustained: bool = False,
     late: bool = False,
 ) -> Sizing:
     """Up / down / steady from per-engine loads and (when known) the projected demand."""
     pool = view.pool
+    note = ""
     name = pool.name
     mx = max(loads)
     details = dict(details, loads=_summ(loads), up=up, down=down, target=target)
@@ -841,15 +834,20 @@ def apply_interval_guard(
             and now - last < cfg.interval_s * 0.5
         ):
             d.reason += f"; last step {now - last:.1f}s ago (< interval {cfg.interval_s:g}s)"
-            d.desired, d.action = max(d.pool.replicas, d.replicas), "hold"
+            d.desired, d.action = d.replicas, "hold"
 
 
-def _held(d: Draft) -> int:
-    """Replicas that may hold GPUs right now: a draining scale-down still holds its old count."""
-    n = max(d.pool.replicas, d.pool.workers, d.desired, d.replicas)
+def _holding(d: Draft) -> int:
+    """Replicas that may hold GPUs before this decision: a draining scale-down still holds its old count."""
+    n = max(d.pool.replicas, d.pool.workers, d.replicas)
     if d.st.in_flight is not None:
         n = max(n, d.st.in_flight.target, d.st.in_flight.previous)
     return n
+
+
+def _held(d: Draft) -> int:
+    """Replicas that may hold GPUs once this decision is sent."""
+    return max(_holding(d), d.desired)
 
 
 def apply_budget(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
@@ -858,11 +856,7 @@ def apply_budget(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
     if budget is None:
         return
     ups = sorted(
-        (
-            d
-            for d in drafts.values()
-            if d.action == "scale_up" and d.desired > d.replicas - (d.replicas - d.pool.replicas)
-        ),
+        (d for d in drafts.values() if d.action == "scale_up"),
         key=lambda d: -(d.sizing.load_max if d.sizing else 0.0),
     )
     for d in ups:
@@ -873,9 +867,7 @@ def apply_budget(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
         if used <= budget:
             continue
         want = d.desired
-        base = max(d.pool.replicas, d.pool.workers, d.replicas)
-        if d.st.in_flight is not None:
-            base = max(base, d.st.in_flight.target, d.st.in_flight.previous)
+        base = _holding(d)
         free = budget - _held(o) * cfg.pool(o.name).gpus_per_replica
         fits = free // gpr if gpr else want
         if fits > base:
@@ -883,9 +875,7 @@ def apply_budget(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
             d.reason += f"; cut to {d.desired} by the GPU budget {budget}"
             d.details["gpus_after"] = d.desired * gpr + _held(o) * cfg.pool(o.name).gpus_per_replica
             continue
-        d.desired, d.action = max(d.pool.replicas, d.replicas), "hold"
-        if d.desired == d.pool.replicas:
-            d.action = "hold"
+        d.desired, d.action = d.replicas, "hold"
         if o.action == "scale_down" or o.desired < o.pool.replicas:
             d.reason += (
                 f"; GPU budget {budget} would be exceeded ({used}); waiting for {o.name} to scale down"
@@ -923,9 +913,8 @@ def decide(obs: Observation, state: PolicyState, cfg: PlannerConfig) -> tuple[De
     new_state = state
     for name, d in drafts.items():
         st = d.st
-        if d.action != "hold" and d.desired != max(
-            d.pool.replicas, d.replicas if d.action == "scale_up" else 0
-        ):
+        # A new target: more than the capacity already counted (running + starting), or a scale-down.
+        if d.action != "hold" and d.desired != (d.replicas if d.action == "scale_up" else d.pool.replicas):
             fl = st.in_flight
             previous = fl.previous if fl is not None and d.action == "scale_up" else d.pool.replicas
             st = replace(
