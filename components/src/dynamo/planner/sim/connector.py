@@ -23,7 +23,6 @@ class SimulatorConnector:
     def __init__(self) -> None:
         self.snapshot: Mapping[str, Any] = {}
         self.targets: dict[str, int | None] = {"prefill": None, "decode": None}
-        self.applied: list[tuple[float, int | None, int | None]] = []
 
     async def start(self) -> None:
         return None
@@ -57,9 +56,7 @@ class SimulatorConnector:
         )
 
     async def apply(self, prefill: int | None, decode: int | None) -> None:
-        now = float(self.snapshot.get("now_ms", 0.0)) / 1000.0
         self.targets = {"prefill": prefill, "decode": decode}
-        self.applied.append((now, prefill, decode))
 
     def take_targets(self) -> dict[str, int | None]:
         out, self.targets = self.targets, {"prefill": None, "decode": None}

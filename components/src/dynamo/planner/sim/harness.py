@@ -67,7 +67,6 @@ class PlannerPolicy:
         progress: Callable[[float, Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.spec = spec
         self.connector = SimulatorConnector()
         self.now = 0.0
         cards = {
