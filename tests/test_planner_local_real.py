@@ -6,7 +6,6 @@ used to stop vLLM's engine under it and fail the request."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from pathlib import Path
@@ -16,18 +15,11 @@ import httpx
 import pytest
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
 from dynamo.planner.connector_local import LocalConnector
-from worker_support import ENGINE_FLAGS, base_env, model_ready, start_frontend
+from worker_support import ENGINE_FLAGS, base_env, model_ready, sse_chunks, start_frontend, until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow, pytest.mark.timeout(420)]
 
 MODEL = "tiny"
-
-
-async def _until(cond: Any, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
 
 
 def _stream(base_url: str, result: dict[str, Any], started: threading.Event) -> None:
@@ -37,10 +29,7 @@ def _stream(base_url: str, result: dict[str, Any], started: threading.Event) -> 
     try:
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=180) as r:
             result["status"] = r.status_code
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse_chunks(r.iter_lines()):
                 chunks += 1
                 for choice in chunk.get("choices", []):
                     finish = choice.get("finish_reason") or finish
@@ -88,11 +77,11 @@ async def test_promoted_standby_serves_and_a_scale_down_lets_its_request_finish(
     )
     await c.start()
     try:
-        await _until(lambda: any(wp.warm for wp in c.standbys("decode")), "the standby never came up", 300)
+        await until(lambda: any(wp.warm for wp in c.standbys("decode")), "the standby never came up", 300)
         assert not model_ready(base_url, MODEL)  # a standby is invisible to the frontend
         t0 = time.monotonic()
         await c.apply(0, 1)
-        await _until(lambda: model_ready(base_url, MODEL), "the promoted standby never served", 20)
+        await until(lambda: model_ready(base_url, MODEL), "the promoted standby never served", 20)
         ready_after = time.monotonic() - t0
         assert ready_after < 5.0, ready_after
         assert c.standbys("decode") == []  # at its maximum: no standby is loaded behind it
@@ -107,13 +96,13 @@ async def test_promoted_standby_serves_and_a_scale_down_lets_its_request_finish(
         assert (result.get("status"), result.get("tokens"), result.get("finish")) == (200, 400, "length"), (
             result
         )
-        await _until(lambda: c.poll() or worker.warm, "the worker was not parked", 60)
+        await until(lambda: c.poll() or worker.warm, "the worker was not parked", 60)
         assert "parked:" in worker.log_path.read_text()
 
         # Promoted again; then the planner stops (close: SIGTERM to each worker alone) while a request
         # streams: the worker drains it and exits 0.
         await c.apply(0, 1)
-        await _until(lambda: model_ready(base_url, MODEL), "the parked worker never served again", 20)
+        await until(lambda: model_ready(base_url, MODEL), "the parked worker never served again", 20)
         result, thread = _start_stream(base_url)
         await c.close()
         await asyncio.to_thread(thread.join, 180)

@@ -19,7 +19,8 @@ from dynamo.planner import connector_local
 from dynamo.planner.connector_base import PoolStatus
 from dynamo.planner.connector_local import LocalConnector
 from dynamo.planner.local_process import same_process_alive, start_time
-from stall_meter import Deadline, running_s
+from stall_meter import running_s
+from worker_support import until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -74,10 +75,7 @@ def worker(tmp_path: Path) -> Path:
 
 
 async def _until(cond: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = Deadline(timeout)
-    while not cond():
-        assert not deadline.expired(), f"{what} ({deadline.describe()})"
-        await asyncio.sleep(0.05)
+    await until(cond, what, timeout)
 
 
 def _connector(tmp_path: Path, worker: Path, load_s: float = 0.3, **kw: Any) -> LocalConnector:

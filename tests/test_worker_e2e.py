@@ -34,6 +34,7 @@ from worker_support import (
     metric,
     model_ready,
     scrape,
+    sse_chunks,
     start_frontend,
     start_worker,
     vllm_reference,
@@ -139,10 +140,7 @@ def _stream(stack: Stack, path: str, body: dict[str, Any]) -> tuple[str, str | N
         "POST", f"{stack.base_url}{path}", json={"model": MODEL, "stream": True, **body}, timeout=120
     ) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r.iter_lines()):
             for choice in chunk.get("choices", []):
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 text.append(piece)
@@ -356,10 +354,7 @@ def test_sigterm_finishes_inflight_request_then_exits_0(stack: Stack) -> None:
         }
         chunks, tokens, finish = 0, 0, None
         with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse_chunks(r.iter_lines()):
                 chunks += 1
                 for choice in chunk.get("choices", []):
                     finish = choice.get("finish_reason") or finish

@@ -200,6 +200,23 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.2, procs: Seq
     raise AssertionError(f"timed out after {deadline.describe()} (last error: {last_exc!r})\n{tails}")
 
 
+async def until(predicate: Any, what: str, timeout: float, interval: float = 0.05) -> None:
+    """``wait_until`` for async tests: poll without blocking the event loop; machine stalls left out."""
+    import asyncio
+
+    deadline = Deadline(timeout)
+    while not predicate():
+        assert not deadline.expired(), f"{what} ({deadline.describe()})"
+        await asyncio.sleep(interval)
+
+
+def sse_chunks(lines: Any) -> Any:
+    """The JSON chunks of an OpenAI server-sent-events stream (``response.iter_lines()``), ``[DONE]`` left out."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def discovery_diagnostics(file_kv: Path, *procs: Proc) -> str:
     """What a failed request needs explained: the discovery entries with their age, and each process's
     discovery, expiry and error lines (HTTP access lines left out)."""
