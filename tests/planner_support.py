@@ -95,6 +95,45 @@ def obs(
     )
 
 
+async def serve_with_card(
+    runtime: Any,
+    path: str,
+    *,
+    kv_blocks: int,
+    max_num_seqs: int,
+    context_length: int,
+    max_num_batched_tokens: int | None = None,
+) -> tuple[Any, Any]:
+    """A stand-in aggregated worker: ``path`` served by the real runtime, with its model card registered.
+
+    Returns (endpoint, serving task); the caller cancels the task.
+    """
+    import asyncio
+
+    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+    ep = runtime.endpoint(path)
+
+    async def handler(request: Any) -> Any:
+        yield {}
+
+    serving = asyncio.ensure_future(ep.serve_endpoint(handler))
+    rc = ModelRuntimeConfig()
+    rc.total_kv_blocks, rc.max_num_seqs, rc.context_length = kv_blocks, max_num_seqs, context_length
+    if max_num_batched_tokens is not None:
+        rc.max_num_batched_tokens = max_num_batched_tokens
+    await register_model(
+        ModelInput.Tensor,
+        ModelType.TensorBased,
+        ep,
+        "m",
+        "m",
+        worker_type=WorkerType.Aggregated,
+        runtime_config=rc,
+    )
+    return ep, serving
+
+
 def config(**over: Any) -> PlannerConfig:
     base: dict[str, Any] = {
         "interval_s": 5.0,

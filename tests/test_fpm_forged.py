@@ -34,7 +34,7 @@ from dynamo.planner.loop import Planner
 from dynamo.planner.observations import NOT_IN_DISCOVERY, WorkerBook
 from fpm_support import CustomNatsServer, wait_until
 from msgspec.structs import replace
-from planner_support import rec
+from planner_support import rec, serve_with_card
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "forged"
@@ -129,7 +129,6 @@ async def live(
 ) -> AsyncIterator[dict[str, Any]]:
     """A served endpoint with a model card (the real runtime's file discovery), its FPM publisher, and a
     dry-run planner reading discovery through ``ModelCardSource`` and records through ``FpmTracker``."""
-    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.planner.model_cards import ModelCardSource
     from dynamo.runtime import DistributedRuntime
 
@@ -137,22 +136,8 @@ async def live(
     loop = asyncio.get_running_loop()
     rt_worker = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
     rt_planner = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
-    ep = rt_worker.endpoint(f"{NS}.backend.generate")
-
-    async def handler(request: Any) -> Any:
-        yield {}
-
-    serving = asyncio.ensure_future(ep.serve_endpoint(handler))
-    rc = ModelRuntimeConfig()
-    rc.total_kv_blocks, rc.max_num_seqs, rc.context_length = KV_BLOCKS, 8, 1024
-    await register_model(
-        ModelInput.Tensor,
-        ModelType.TensorBased,
-        ep,
-        "m",
-        "m",
-        worker_type=WorkerType.Aggregated,
-        runtime_config=rc,
+    ep, serving = await serve_with_card(
+        rt_worker, f"{NS}.backend.generate", kv_blocks=KV_BLOCKS, max_num_seqs=8, context_length=1024
     )
     worker_id = str(ep.connection_id())
     cards = {

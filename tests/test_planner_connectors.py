@@ -22,7 +22,7 @@ from dynamo.planner.connector_local import LocalConnector, render
 from dynamo.planner.connector_virtual import VirtualConnector
 from dynamo.planner.model_cards import capacities_from_cards, capacity_from_card
 
-from tests.planner_support import EmbeddedEtcd
+from tests.planner_support import EmbeddedEtcd, serve_with_card
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -395,7 +395,6 @@ def test_capacity_from_card() -> None:
 async def test_model_card_registered_through_the_runtime_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.planner.model_cards import ModelCardSource
     from dynamo.runtime import DistributedRuntime
 
@@ -404,22 +403,13 @@ async def test_model_card_registered_through_the_runtime_is_read(
     rt = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
     rt2 = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
     try:
-        ep = rt.endpoint("cards.backend.generate")
-
-        async def handler(request: Any) -> Any:
-            yield {}
-
-        serving = asyncio.ensure_future(ep.serve_endpoint(handler))
-        rc = ModelRuntimeConfig()
-        rc.total_kv_blocks, rc.max_num_seqs, rc.max_num_batched_tokens, rc.context_length = 100, 8, 256, 1024
-        await register_model(
-            ModelInput.Tensor,
-            ModelType.TensorBased,
-            ep,
-            "m",
-            "m",
-            worker_type=WorkerType.Aggregated,
-            runtime_config=rc,
+        ep, serving = await serve_with_card(
+            rt,
+            "cards.backend.generate",
+            kv_blocks=100,
+            max_num_seqs=8,
+            context_length=1024,
+            max_num_batched_tokens=256,
         )
         source = ModelCardSource(rt2, "cards", "backend", "generate")
         deadline = time.monotonic() + 10
