@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
@@ -201,29 +202,45 @@ class DemoRun:
         """Until the frontend says the model is ready (every needed worker type present)."""
         url = f"{self.cfg.base_url}/v1/models/{self.cfg.served_model_name}/ready"
         start = time.monotonic()
-        last_msg = 0.0
         self.say("waiting for the workers to load the model (20-110 s on 2 cores) ...")
         with httpx.Client(timeout=2.0) as client:
-            while True:
-                waited = time.monotonic() - start
+
+            def ready() -> bool:
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(url).status_code == 200:
-                        self.say(f"model ready after {waited:.0f} s")
-                        break
-                self.signals.poll()
-                failure = self.sup.check()
-                if failure is not None:
-                    raise ComponentFailed(failure)
-                if waited > self.startup_timeout_s:
-                    raise StartupTimeout(
-                        f"the model was not ready after {self.startup_timeout_s:.0f} s; see the logs in "
-                        f"{self.cfg.run_dir / 'logs'}"
-                    )
-                if waited - last_msg >= 15:
-                    last_msg = waited
-                    self.say(f"  ... still starting ({waited:.0f} s)")
-                time.sleep(1.0)
+                    return client.get(url).status_code == 200
+                return False
+
+            self._wait_for(
+                ready,
+                start,
+                done="model ready",
+                waiting="still starting",
+                timeout_what=f"the model was not ready after {self.startup_timeout_s:.0f} s; see the logs in "
+                f"{self.cfg.run_dir / 'logs'}",
+            )
         self.wait_standby(start)
+
+    def _wait_for(
+        self, done_yet: Callable[[], bool], start: float, *, done: str, waiting: str, timeout_what: str
+    ) -> None:
+        """Poll once a second: the planner's signals read first, then ``done_yet``; a failed component or
+        the startup timeout raised, a progress line every 15 s."""
+        last_msg = 0.0
+        while True:
+            waited = time.monotonic() - start
+            self.signals.poll()
+            if done_yet():
+                self.say(f"{done} after {waited:.0f} s")
+                return
+            failure = self.sup.check()
+            if failure is not None:
+                raise ComponentFailed(failure)
+            if waited > self.startup_timeout_s:
+                raise StartupTimeout(timeout_what)
+            if waited - last_msg >= 15:
+                last_msg = waited
+                self.say(f"  ... {waiting} ({waited:.0f} s)")
+            time.sleep(1.0)
 
     def standby_warm(self) -> int:
         counts = self.signals.connector_counts("decode")
@@ -234,26 +251,16 @@ class DemoRun:
         want = self.cfg.decode_standby if self.cfg.planner else 0
         if want <= 0:
             return
-        last_msg = 0.0
         self.say(f"waiting for the planner's {want} decode standby to load (warm, not registered) ...")
-        while True:
-            waited = time.monotonic() - start
-            self.signals.poll()
-            if self.standby_warm() >= want:
-                self.say(f"decode standby warm after {waited:.0f} s")
-                return
-            failure = self.sup.check()
-            if failure is not None:
-                raise ComponentFailed(failure)
-            if waited > self.startup_timeout_s:
-                raise StartupTimeout(
-                    f"the planner's decode standby was not warm after {self.startup_timeout_s:.0f} s; see "
-                    f"{self.cfg.run_dir / 'logs'} (planner.log, decode-*.log)"
-                )
-            if waited - last_msg >= 15:
-                last_msg = waited
-                self.say(f"  ... standby still loading ({waited:.0f} s)")
-            time.sleep(1.0)
+
+        self._wait_for(
+            lambda: self.standby_warm() >= want,
+            start,
+            done="decode standby warm",
+            waiting="standby still loading",
+            timeout_what=f"the planner's decode standby was not warm after {self.startup_timeout_s:.0f} s; see "
+            f"{self.cfg.run_dir / 'logs'} (planner.log, decode-*.log)",
+        )
 
     async def drive(self) -> None:
         phases = stack.load_phases(self.cfg.duration_s, self.cfg.intensity)
