@@ -619,3 +619,24 @@ def test_a_publishing_replica_is_never_counted_as_starting() -> None:
     o = type(o)(o.now, o.prefill, type(o.decode)(**{**_fields(o.decode), "starting": 1}), o.settled)
     d, _ = decide(o, PolicyState(), cfg)
     assert d.decode.action == "scale_up" and "over 1" in d.decode.reason, d.decode.reason
+
+
+def test_a_consistent_rise_of_a_tiny_load_does_not_scale_ahead() -> None:
+    """The demo's warm-up: a few requests rising steadily (0.02 -> 0.12 of one engine) must not read as
+    a ramp worth a replica; the same rise on a real share of the pool does (docs/planner.md, Sizing)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+
+    def rise(start: float, step: float) -> list[Decision]:
+        state, out = PolicyState(), []
+        for t in range(6):  # one sample a second, as the demo's warm-up rose
+            decode = [rec("d0", s_decode=1, s_decode_kv=int((start + step * t) * KV))]
+            d, state = decide(obs(float(t), [heartbeat("p0")], decode), state, cfg)
+            out.append(d)
+        return out
+
+    tiny = rise(0.02, 0.02)
+    assert all(d.decode.action == "hold" for d in tiny), [d.decode.reason for d in tiny]
+    last = tiny[-1].decode.sizing
+    assert last is not None and last.needed is not None and last.needed > 1  # the projection asked for more
+    real = rise(0.3, 0.08)
+    assert any(d.decode.action == "scale_up" for d in real), [d.decode.reason for d in real]

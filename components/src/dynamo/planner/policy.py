@@ -427,8 +427,15 @@ def _size(
     over = spread >= up if name == "prefill" else spread > up
     # With a sizing model, today's demand triggers; without one (no rate measured yet), an engine over ``up``.
     trigger = over
-    if needed_now is not None and needed is not None:
-        trigger = needed_now > view.replicas or (sustained and needed > view.replicas) or late
+    if needed_now is not None and needed is not None and demand is not None:
+        # The trend triggers only on a load that is already a real share of the pool (a quarter of what its
+        # replicas carry at the target): a warm-up's few requests rise "consistently" too.
+        ahead = (
+            sustained
+            and needed > view.replicas
+            and demand >= 0.25 * target * view.replicas * _per_worker(pool)
+        )
+        trigger = needed_now > view.replicas or ahead or late
     if trigger:
         n = needed if needed is not None else view.replicas + 1
         if late:
