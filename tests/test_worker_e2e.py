@@ -313,24 +313,36 @@ async def test_fpm_records_arrive_under_the_worker_id(stack: Stack) -> None:
 def test_client_disconnect_aborts_the_request(stack: Stack) -> None:
     """Closing the HTTP stream reaches the worker's context, which aborts the request in vLLM.
 
-    The tiny model can produce its tokens faster than the frontend streams them, so an attempt only
-    counts if the worker still had the request in flight when the client hung up.
+    An attempt only counts if the worker still had the request in flight when the client hung up (the
+    tiny model can outrun a slow client); a failure lists what every attempt saw and the worker's log.
     """
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    for _attempt in range(5):
+    seen: list[str] = []  # what each attempt saw, for the failure message
+    for attempt in range(5):
         before = stack.worker.log().count("cancelled by the client")
         with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
+            first = next((line for line in r.iter_lines() if line.startswith("data: ")), "")
+            inflight = None
+            for _ in range(10):  # up to 2 s for the worker's gauge to show the request
+                inflight = metric(scrape(stack.metrics_url), "dynamo_worker_inflight_requests")
+                if (inflight or 0) >= 1:
                     break
-            running = metric(scrape(stack.metrics_url), "dynamo_worker_inflight_requests") == 1.0
+                time.sleep(0.2)
+            seen.append(
+                f"attempt {attempt}: status {r.status_code}, inflight {inflight}, first {first[:200]!r}"
+            )
         # hung up
-        if running:
+        if (inflight or 0) >= 1:
             wait_until(lambda n=before: stack.worker.log().count("cancelled by the client") > n, timeout=15)
             break
         wait_until(lambda: metric(scrape(stack.metrics_url), "dynamo_worker_inflight_requests") == 0.0, 60)
     else:
-        pytest.fail("the worker always finished before the client hung up; cannot check cancellation")
+        pytest.fail(
+            "the worker never had the request in flight when the client hung up; cannot check cancellation:\n"
+            + "\n".join(seen)
+            + "\nworker log tail:\n"
+            + stack.worker.log()[-3000:]
+        )
     wait_until(
         lambda: metric(scrape(stack.metrics_url), "dynamo_worker_inflight_requests") == 0.0, timeout=15
     )
