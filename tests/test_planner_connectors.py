@@ -1,5 +1,5 @@
-"""Connectors against real counterparts: processes, an HTTP-level Kubernetes API double, Dynamo's
-virtual connector client over a real etcd, and model cards registered through the real runtime."""
+"""Connectors against real counterparts: processes, Dynamo's virtual connector client over a real etcd,
+and model cards registered through the real runtime (the kubernetes connector: test_planner_kubernetes.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ import json
 import os
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from dynamo.planner.config import KubernetesConfig
-from dynamo.planner.connector_kubernetes import KubernetesConnector
 from dynamo.planner.connector_local import LocalConnector, render
 from dynamo.planner.connector_virtual import VirtualConnector
 from dynamo.planner.model_cards import capacities_from_cards, capacity_from_card
@@ -138,179 +134,6 @@ async def test_local_connector_reports_a_crashed_worker(tmp_path: Path) -> None:
     await _until(lambda: c.running("prefill") == [])
     assert (await c.status()).prefill == 0 and c.exited == [("prefill", 0, 3)]
     await c.close()
-
-
-# --------------------------------------------------------------------------------------------------
-# kubernetes: an API double at the HTTP level
-
-
-class FakeApi:
-    """Serves one DynamoGraphDeployment; records PATCH requests and applies them; status follows spec."""
-
-    def __init__(self, dgd: dict[str, Any]) -> None:
-        self.dgd = dgd
-        self.patches: list[tuple[str, str, Any]] = []
-        self.gets = 0
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def _send(self, code: int, obj: Any) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _ours(self) -> bool:
-                meta = api.dgd["metadata"]
-                version = api.dgd["apiVersion"].split("/")[1]
-                want = f"/apis/nvidia.com/{version}/namespaces/{meta['namespace']}/dynamographdeployments/{meta['name']}"
-                return self.path == want
-
-            def do_GET(self) -> None:
-                if not self._ours():
-                    return self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
-                api.gets += 1
-                self._send(200, api.dgd)
-
-            def do_PATCH(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                ctype = self.headers["Content-Type"]
-                api.patches.append((self.path, ctype, body))
-                if not self._ours():
-                    return self._send(404, {"kind": "Status", "code": 404})
-                api.apply(ctype, body)
-                self._send(200, api.dgd)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def apply(self, ctype: str, body: Any) -> None:
-        spec = self.dgd["spec"]
-        if ctype == "application/json-patch+json":
-            for op in body:
-                _, _, _, idx, key = op["path"].split("/")
-                comp = spec["components"][int(idx)]
-                if op["op"] == "test":
-                    assert comp[key] == op["value"]
-                else:
-                    comp[key] = op["value"]
-        else:
-            for name, svc in body["spec"]["services"].items():
-                spec["services"][name].update(svc)
-
-    def set_ready(self, name: str, ready: int, updated: int | None = None) -> None:
-        st = self.dgd.setdefault("status", {}).setdefault("components", {})
-        st[name] = {"readyReplicas": ready, "updatedReplicas": ready if updated is None else updated}
-
-    def __enter__(self) -> FakeApi:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _client(url: str) -> Any:
-    from kubernetes import client
-
-    conf = client.Configuration(host=url)
-    return client.ApiClient(conf)
-
-
-def _dgd_v1beta1() -> dict[str, Any]:
-    return {
-        "apiVersion": "nvidia.com/v1beta1",
-        "kind": "DynamoGraphDeployment",
-        "metadata": {"name": "llm", "namespace": "team"},
-        "spec": {
-            "components": [
-                {"name": "frontend", "replicas": 1},
-                {"name": "prefill", "replicas": 1},
-                {"name": "decode", "replicas": 2},
-            ]
-        },
-    }
-
-
-async def test_kubernetes_connector_patches_replicas_with_a_guarded_json_patch() -> None:
-    with FakeApi(_dgd_v1beta1()) as api:
-        api.set_ready("prefill", 1)
-        api.set_ready("decode", 2)
-        cfg = KubernetesConfig(deployment="llm", k8s_namespace="team")
-        c = KubernetesConnector(cfg, _client(api.url))
-        await c.start()
-        st = await c.status()
-        assert (st.prefill, st.decode, st.settled) == (1, 2, True)
-        await c.apply(2, 2)  # decode unchanged: only prefill is patched
-        assert len(api.patches) == 1
-        path, ctype, body = api.patches[0]
-        assert path == "/apis/nvidia.com/v1beta1/namespaces/team/dynamographdeployments/llm"
-        assert ctype == "application/json-patch+json"
-        assert body == [
-            {"op": "test", "path": "/spec/components/1/name", "value": "prefill"},
-            {"op": "add", "path": "/spec/components/1/replicas", "value": 2},
-        ]
-        st = await c.status()  # operator has not caught up: 1 ready of 2 wanted
-        assert (st.prefill, st.settled) == (1, False)
-        api.set_ready("prefill", 2)
-        assert (await c.status()).settled
-        await c.apply(None, 1)
-        assert api.patches[-1][2][1] == {"op": "add", "path": "/spec/components/2/replicas", "value": 1}
-        await c.close()
-
-
-async def test_kubernetes_connector_v1alpha1_merge_patch_and_errors() -> None:
-    dgd = {
-        "apiVersion": "nvidia.com/v1alpha1",
-        "metadata": {"name": "llm", "namespace": "default"},
-        "spec": {"services": {"VllmPrefillWorker": {"replicas": 1}, "VllmDecodeWorker": {"replicas": 1}}},
-        "status": {
-            "services": {
-                "VllmPrefillWorker": {"availableReplicas": 1},
-                "VllmDecodeWorker": {"readyReplicas": 1},
-            }
-        },
-    }
-    with FakeApi(dgd) as api:
-        cfg = KubernetesConfig(
-            deployment="llm",
-            api_version="v1alpha1",
-            prefill_service="VllmPrefillWorker",
-            decode_service="VllmDecodeWorker",
-        )
-        c = KubernetesConnector(cfg, _client(api.url))
-        await c.start()
-        await c.apply(1, 3)
-        assert api.patches[-1][1:] == (
-            "application/merge-patch+json",
-            {"spec": {"services": {"VllmDecodeWorker": {"replicas": 3}}}},
-        )
-        assert dgd["spec"]["services"]["VllmDecodeWorker"]["replicas"] == 3
-        bad = KubernetesConnector(
-            KubernetesConfig(
-                deployment="llm",
-                api_version="v1alpha1",
-                decode_service="nope",
-                prefill_service="VllmPrefillWorker",
-            ),
-            _client(api.url),
-        )
-        with pytest.raises(
-            ValueError, match=r"kubernetes\.decode_service: service 'nope' not in spec\.services"
-        ):
-            await bad.start()
-        missing = KubernetesConnector(
-            KubernetesConfig(deployment="other", api_version="v1alpha1"), _client(api.url)
-        )
-        with pytest.raises(Exception, match=r"404|Not Found"):
-            await missing.start()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -66,8 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prefill-command", help="local connector: prefill worker command template")
     run.add_argument("--decode-command", help="local connector: decode worker command template")
     run.add_argument("--log-dir", help="local connector: folder for worker logs (default: planner-logs)")
-    run.add_argument("--k8s-deployment", help="kubernetes connector: DynamoGraphDeployment name")
-    run.add_argument("--k8s-namespace", help="kubernetes connector: Kubernetes namespace (default: default)")
+    run.add_argument(
+        "--k8s-deployment",
+        help="kubernetes connector: DynamoGraphDeployment name (default: env DYN_PARENT_DGD_K8S_NAME)",
+    )
+    run.add_argument(
+        "--k8s-namespace",
+        help="kubernetes connector: its namespace (default: env POD_NAMESPACE, else the service account's)",
+    )
     run.add_argument("--max-ticks", type=int, help="stop after this many decisions (tests, scripted runs)")
     run.add_argument(
         "--log-level",
@@ -239,6 +245,9 @@ async def run_planner(
     connector = await build_connector(cfg, runtime)
     try:
         await connector.start()
+    except ConfigError as exc:
+        print(f"dynamo.planner: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except Exception as exc:
         print(f"dynamo.planner: error: {cfg.connector} connector: {exc}", file=sys.stderr)
         return EXIT_SERVICE
@@ -294,6 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return EXIT_OK
+    if args.command == "run" and cfg.connector == "kubernetes" and not cfg.dry_run:
+        from .connector_kubernetes import resolve_target
+
+        try:  # before connecting to anything: the DGD name may come from the pod's environment
+            resolve_target(cfg.kubernetes, os.environ)
+        except ConfigError as exc:
+            print(f"dynamo.planner: config error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
     if args.command == "simulate":
         from .sim.cli import run as run_simulate
 

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args, get_type_hints
 
 Target = Literal["throughput", "latency", "load", "sla"]
 ConnectorName = Literal["virtual", "local", "kubernetes"]
+ScaleVia = Literal["auto", "adapter", "dgd"]
 
 
 class ConfigError(ValueError):
@@ -101,14 +102,19 @@ class LocalConfig:
 class KubernetesConfig:
     """The ``kubernetes`` connector: the DynamoGraphDeployment whose replica counts it patches."""
 
+    # "" = DYN_PARENT_DGD_K8S_NAME, which the Dynamo operator sets in its pods.
     deployment: str = ""
-    k8s_namespace: str = "default"
+    # None = POD_NAMESPACE, else the pod's service-account namespace, else "default".
+    k8s_namespace: str | None = None
     prefill_service: str = "prefill"
     decode_service: str = "decode"
     api_group: str = "nvidia.com"
     api_version: str = "v1beta1"
     # Load the in-cluster service account, else the kubeconfig file (None = default location).
     kubeconfig: str | None = None
+    # auto: each service through its DynamoGraphDeploymentScalingAdapter where one exists, else the DGD;
+    # adapter: adapters only (a missing one is an error); dgd: patch the DGD (operators before 1.6).
+    scale_via: ScaleVia = "auto"
 
 
 @dataclass(frozen=True)
@@ -315,8 +321,6 @@ def _check(cfg: PlannerConfig) -> None:
         v = getattr(cfg.capacity, key)
         if v is not None:
             positive(f"capacity.{key}", v)
-    if cfg.connector == "kubernetes" and not cfg.kubernetes.deployment and not cfg.dry_run:
-        raise ConfigError("kubernetes.deployment: the DynamoGraphDeployment name is required")
     if cfg.connector == "local" and not cfg.dry_run:
         for name in ("prefill", "decode"):
             if not getattr(cfg.local, f"{name}_command"):
