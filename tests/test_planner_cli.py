@@ -371,3 +371,40 @@ def test_tui_render() -> None:
     screen = render(d, ConnectorStatus(settled=True), book.stats, connector="virtual", tick=7)
     assert "tick 7" in screen and "decode: decode load 1.15 over 1" in screen
     assert screen.count("\n") < 20
+
+
+def test_upstream_planner_series_are_served_too() -> None:
+    """The names upstream's planner dashboards read, filled from the same decision and records."""
+    m = PlannerMetrics()
+    m.set_sla_targets(2000.0, 50.0)
+    from dynamo.planner.observations import WorkerBook
+    from dynamo.planner.policy import PolicyState, decide
+
+    cfg = config()
+    book = WorkerBook(cfg)
+    book.ingest("decode", BACKLOG, 0.0)
+    book.ingest("prefill", PREFILL, 0.0)
+    obs = book.observe(0.1)
+    d, _ = decide(obs, PolicyState(), cfg)
+    m.observe(d, 3, 0.0001)
+    m.observe_engines(obs)
+    m.observe_gpus_running(2, 0.0)
+    m.observe_gpus_running(2, 1800.0)  # two GPUs for half an hour
+    from prometheus_client import generate_latest
+
+    body = generate_latest(m.registry).decode()
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line[:1] != "#"
+    }
+    assert values["dynamo_planner_num_decode_replicas"] == d.decode.current
+    assert values["dynamo_planner_predicted_num_decode_replicas"] == d.decode.desired == 2
+    assert values["dynamo_planner_gpu_hours"] == pytest.approx(1.0)
+    assert (values["dynamo_planner_sla_target_ttft_ms"], values["dynamo_planner_sla_target_itl_ms"]) == (
+        2000,
+        50,
+    )
+    key = f'{{dp_rank="{BACKLOG.dp_rank}",worker_id="{BACKLOG.worker_id}"}}'
+    assert values[f"dynamo_planner_engine_queued_decode_kv_tokens{key}"] == 9000
+    # An engine that left the book leaves the series.
+    m.observe_engines(WorkerBook(cfg).observe(0.2))
+    assert "dynamo_planner_engine_queued_decode_kv_tokens{" not in generate_latest(m.registry).decode()

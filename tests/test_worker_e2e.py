@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from metrics_docs import missing
 from worker_support import (
     Proc,
     base_env,
@@ -226,10 +227,8 @@ def test_ready_only_once_the_engine_is_up(stack: Stack) -> None:
     status, body = http_json(f"{stack.system_url}/health")
     assert (status, body["status"]) == (200, "ready")
     text = http_text(f"{stack.system_url}/metrics")
-    assert (
-        f'dynamo_worker_ready{{component="backend",namespace="dynamo",worker_id="{stack.worker_id}"}} 1.0'
-        in text
-    )
+    labels = f'dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="dynamo",worker_id="{stack.worker_id}"'
+    assert f"dynamo_worker_ready{{{labels}}} 1.0" in text  # the runtime's label names, as on its own series
 
 
 def test_registration_carries_capacity_and_worker_type(stack: Stack) -> None:
@@ -308,6 +307,14 @@ async def test_fpm_records_arrive_under_the_worker_id(stack: Stack) -> None:
     # The publisher writes its counters about once a second; the worker exports them.
     wait_until(lambda: (metric(scrape(stack.metrics_url), "dynamo_worker_fpm_published_total") or 0) > 0, 5)
     assert metric(scrape(stack.metrics_url), "dynamo_worker_fpm_connected") == 1.0
+
+
+def test_every_documented_worker_series_is_served(stack: Stack) -> None:
+    """docs/metrics.md's worker tables, vLLM's own series included, on both of the worker's ports."""
+    _complete(stack, prompt=PROMPTS[1], max_tokens=4, temperature=0)  # vLLM's histograms have samples
+    for url in (stack.metrics_url, f"{stack.system_url}/metrics"):
+        left = missing(http_text(url), "Worker")
+        assert not left, f"{url}: documented but not served: {left}"
 
 
 def test_client_disconnect_aborts_the_request(stack: Stack) -> None:

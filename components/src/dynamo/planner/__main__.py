@@ -252,6 +252,7 @@ async def run_planner(
         print(f"dynamo.planner: error: {cfg.connector} connector: {exc}", file=sys.stderr)
         return EXIT_SERVICE
     metrics = PlannerMetrics()
+    metrics.set_sla_targets(cfg.sla.ttft_ms, cfg.sla.itl_ms)
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port)
     log = DecisionLog(cfg.decision_log, stdout=cfg.json_stdout)

@@ -196,6 +196,10 @@ class Planner:
                 decision.pool(p).desired * self.cfg.pool(p).gpus_per_replica for p in ("prefill", "decode")
             )
             self.metrics.observe(decision, gpus, spent)
+            self.metrics.observe_engines(obs)
+            self.metrics.observe_gpus_running(
+                sum(decision.pool(p).current * self.cfg.pool(p).gpus_per_replica for p in POOLS), now
+            )
             self.metrics.evicted.set(self.book.stats.evicted)
             if self.transport is not None:
                 self.metrics.observe_transport(self.transport())

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
@@ -165,13 +165,29 @@ class WorkerCollector(Collector):
         }
 
 
+class VllmMetricsCollector(Collector):
+    """vLLM's own ``vllm:*`` series (its Prometheus stat logger writes them to the default registry of
+    this process) passed through, so the dashboards built for vLLM work on the worker's port as they do
+    on ``vllm serve``. The default registry's other families (process, GC) are left out."""
+
+    def __init__(self, source: CollectorRegistry = REGISTRY, prefix: str = "vllm:") -> None:
+        self.source = source
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.source.collect():
+            if family.name.startswith(self.prefix):
+                yield family
+
+
 class WorkerMetrics:
     """Owns the registry; serves it on a port and/or hands its text to the runtime's system server."""
 
-    def __init__(self, collector: WorkerCollector) -> None:
+    def __init__(self, collector: WorkerCollector, vllm: Collector | None = None) -> None:
         self.collector = collector
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
+        self.registry.register(VllmMetricsCollector() if vllm is None else vllm)
         self.port: int | None = None
         self._server: Any = None
 

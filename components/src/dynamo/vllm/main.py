@@ -150,7 +150,12 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
         fpm_env["DYN_FPM_STATS_FILE"] if config.fpm_enabled else None,
         lambda: tracker.count,
         readiness,
-        {"namespace": config.namespace, "component": config.component, "worker_id": worker_id},
+        {
+            "dynamo_namespace": config.namespace,
+            "dynamo_component": config.component,
+            "dynamo_endpoint": config.endpoint,
+            "worker_id": worker_id,
+        },
     )
     metrics = WorkerMetrics(collector)
     with contextlib.suppress(Exception):
