@@ -1,0 +1,158 @@
+"""Tokens/s of a real vLLM CPU engine with the InstrumentedScheduler against vLLM's plain AsyncScheduler.
+
+Two engines on the tiny model live side by side in this process (each its own EngineCore process,
+same config, prefix caching and stats on); the instrumented one publishes every record through the
+real ``FpmDirectPublisher`` to a real nats-server. Rounds alternate which engine goes first, and each
+round serves the same batch of concurrent requests on one engine, then on the other, so machine noise
+hits both alike. Reported: tokens/s per engine per round, the per-round ratio instrumented / plain, its
+median and spread.
+
+    .venv/bin/python benchmarks/bench_engine.py [--rounds 6] [--requests 64] [--max-tokens 64]
+        [--prompt-tokens 32] [--max-num-seqs 64] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PLAIN = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+INSTRUMENTED = "dynamo.vllm.instrumented_scheduler.InstrumentedScheduler"
+
+
+def make_engine(model_dir: Path, scheduler_cls: str, max_num_seqs: int) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        block_size=32,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        max_num_seqs=max_num_seqs,
+        seed=0,
+        scheduler_cls=scheduler_cls,
+    )
+
+
+def serve(llm: Any, prompts: list[Any], params: Any) -> tuple[float, int]:
+    """(seconds, tokens generated) of one batch served concurrently."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    spent = time.perf_counter() - t0
+    return spent, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=6, help="rounds, each serving one batch on both engines")
+    ap.add_argument("--requests", type=int, default=64, help="concurrent requests per batch")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (distinct prompts)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="the engines' running-batch limit")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    if args.rounds < 2 or args.requests < 1 or args.max_tokens < 1 or args.prompt_tokens < 1:
+        ap.error("--rounds must be >= 2, --requests, --max-tokens and --prompt-tokens >= 1")
+
+    from dynamo.common.nats_server import EmbeddedNatsServer
+    from dynamo.vllm.tiny_model import build_tiny_model
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats:
+        from dynamo.vllm.engine import STATS_FILE_NAME
+        from dynamo.vllm.fpm_metrics import read_stats
+
+        stats_template = str(Path(tmp) / STATS_FILE_NAME)
+        os.environ.update(
+            NATS_SERVER=nats.url,
+            DYN_NAMESPACE="bench-engine",
+            DYN_FPM_WORKER_ID="bench-engine",
+            DYN_FPM_STATS_FILE=stats_template,
+        )
+        model_dir = build_tiny_model(Path(tmp) / "tiny")
+        print("starting two engines (about a minute each on 2 cores) ...", file=sys.stderr, flush=True)
+        engines = {
+            "plain": make_engine(model_dir, PLAIN, args.max_num_seqs),
+            "instrumented": make_engine(model_dir, INSTRUMENTED, args.max_num_seqs),
+        }
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+        vocab = 200  # the tiny model's vocabulary is larger; distinct prompts, no prefix hits across requests
+
+        def prompts(round_no: int) -> list[Any]:
+            return [
+                TokensPrompt(
+                    prompt_token_ids=[
+                        (7 * i + 13 * j + round_no) % vocab + 3 for j in range(args.prompt_tokens)
+                    ]
+                )
+                for i in range(args.requests)
+            ]
+
+        for llm in engines.values():  # warm-up, untimed
+            serve(llm, prompts(-1), params)
+        rows: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            order = ["plain", "instrumented"] if r % 2 == 0 else ["instrumented", "plain"]
+            row: dict[str, Any] = {"round": r, "first": order[0]}
+            for name in order:
+                spent, tokens = serve(engines[name], prompts(r), params)
+                row[name] = tokens / spent
+            row["ratio"] = row["instrumented"] / row["plain"]
+            rows.append(row)
+            print(
+                f"round {r}: plain {row['plain']:.0f} tok/s, instrumented {row['instrumented']:.0f} tok/s, "
+                f"ratio {row['ratio']:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(1.5)  # the publisher writes its counters about once a second
+        published = int(sum((data.get("published") or 0) for data in read_stats(stats_template).values()))
+        for llm in engines.values():
+            llm.llm_engine.engine_core.shutdown()
+    if published == 0:
+        print(
+            "error: the instrumented engine published no FPM record; the comparison is void", file=sys.stderr
+        )
+        return 1
+    ratios = [row["ratio"] for row in rows]
+    summary = {
+        "rounds": rows,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "records_published": published,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "plain_tok_s_median": statistics.median(row["plain"] for row in rows),
+        "instrumented_tok_s_median": statistics.median(row["instrumented"] for row in rows),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"tokens/s, {args.requests} concurrent requests x {args.max_tokens} tokens, {args.rounds} rounds:\n"
+            f"  plain AsyncScheduler     median {summary['plain_tok_s_median']:.0f}\n"
+            f"  InstrumentedScheduler    median {summary['instrumented_tok_s_median']:.0f}\n"
+            f"  ratio instrumented/plain median {summary['ratio_median']:.3f} "
+            f"(spread {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}); "
+            f"{published} FPM records published to NATS"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
