@@ -7,7 +7,7 @@ round serves the same batch of concurrent requests on one engine, then on the ot
 hits both alike. Reported: tokens/s per engine per round, the per-round ratio instrumented / plain, its
 median and spread.
 
-    .venv/bin/python benchmarks/bench_engine.py [--rounds 6] [--requests 64] [--max-tokens 64]
+    .venv/bin/python benchmarks/bench_engine.py [--rounds 10] [--requests 64] [--max-tokens 256]
         [--prompt-tokens 32] [--max-num-seqs 64] [--json]
 """
 
@@ -54,9 +54,9 @@ def serve(llm: Any, prompts: list[Any], params: Any) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=6, help="rounds, each serving one batch on both engines")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds, each serving one batch on both engines")
     ap.add_argument("--requests", type=int, default=64, help="concurrent requests per batch")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (distinct prompts)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engines' running-batch limit")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
