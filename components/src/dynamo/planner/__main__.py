@@ -23,7 +23,9 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
-from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, merge
+from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, load_config_text, merge
+from .upstream import FLAG_KEYS as UPSTREAM_FLAG_KEYS
+from .upstream import Translation, mapping_table, translate
 
 logger = logging.getLogger("dynamo.planner")
 
@@ -43,6 +45,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", action="store_true", dest="json_stdout", help="decisions as JSON lines on stdout"
     )
+    up = p.add_argument_group(
+        "upstream Dynamo planner keys as flags (mapped to ours; see 'config --mapping', docs/from-upstream.md)"
+    )
+    for key in UPSTREAM_FLAG_KEYS:
+        up.add_argument(
+            "--" + key.replace("_", "-"),
+            dest=f"upstream_{key}",
+            metavar="V",
+            default=None,
+            help=argparse.SUPPRESS,
+        )
+    up.add_argument("--no-operation", dest="upstream_no_operation", action="store_const", const=True,
+                    help=argparse.SUPPRESS)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,16 +95,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=float, default=0.1, help="seconds between lines without a time stamp (default: 0.1)"
     )
     _common(rp)
-    cp = sub.add_parser("config", help="print the validated effective configuration as JSON")
+    cp = sub.add_parser(
+        "config",
+        help="print the validated effective configuration as JSON (upstream keys: their mapping on stderr)",
+    )
     _common(cp)
+    cp.add_argument(
+        "--mapping",
+        action="store_true",
+        help="print how every upstream Dynamo 1.6.1 planner key maps to ours, and exit",
+    )
     from .sim.cli import add_parser as add_simulate
 
     add_simulate(sub)
     return parser
 
 
-def effective_config(args: argparse.Namespace) -> PlannerConfig:
-    data = load_config_arg(getattr(args, "config", None))
+def upstream_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Upstream keys given as flags (``--max-gpu-budget 8``), values read as YAML scalars."""
+    out: dict[str, Any] = {}
+    for key in (*UPSTREAM_FLAG_KEYS, "no_operation"):
+        raw = getattr(args, f"upstream_{key}", None)
+        if raw is None:
+            continue
+        out[key] = raw if not isinstance(raw, str) else load_config_text(f"v: {raw}")["v"]
+    return out
+
+
+def translated_config(args: argparse.Namespace) -> Translation:
+    """The config file (or text) with upstream keys and flags mapped to ours; our flags not yet applied."""
+    data = merge(load_config_arg(getattr(args, "config", None)), upstream_flags(args))
+    return translate(data, os.environ)
+
+
+def effective_config(args: argparse.Namespace, translation: Translation | None = None) -> PlannerConfig:
+    translation = translation or translated_config(args)
+    data = translation.data
     over: dict[str, Any] = {}
     for key in (
         "namespace",
@@ -131,7 +172,10 @@ def effective_config(args: argparse.Namespace) -> PlannerConfig:
         data["namespace"] = os.environ["DYN_NAMESPACE"]
     if "tui" not in data and args.command in (None, "run"):
         data["tui"] = sys.stderr.isatty() and not data.get("json_stdout", False)
-    return config_from_mapping(data)
+    try:
+        return config_from_mapping(data)
+    except ConfigError as exc:
+        raise translation.explain(exc) from exc
 
 
 def _reachable(url: str, default_port: int, timeout: float = 2.0) -> bool:
@@ -286,11 +330,21 @@ def main(argv: list[str] | None = None) -> int:
         argv.insert(0, "run")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "config" and args.mapping:
+        width = max(len(k) for k, _, _ in mapping_table())
+        print(f"{'upstream 1.6.1 key':<{width}}  ours  (note)")
+        for key, ours, note in mapping_table():
+            print(f"{key:<{width}}  {ours}" + (f"  ({note})" if note else ""))
+        return EXIT_OK
     try:
-        cfg = effective_config(args)
+        translation = translated_config(args)
+        cfg = effective_config(args, translation)
     except ConfigError as exc:
         print(f"dynamo.planner: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.command != "run":
+        for entry in translation.entries:
+            print(entry.line(), file=sys.stderr)
     if args.command == "config":
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return EXIT_OK
@@ -314,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for entry in translation.entries:
+        logger.info("%s", entry.line())
     return asyncio.run(run_planner(cfg, max_ticks=args.max_ticks))
 
 
