@@ -7,11 +7,13 @@ upstream's documented ones. Each runs, or fails with exit 2 and one line naming 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 import yaml
 from dynamo.planner.config import ConfigError
 from dynamo.planner.upstream import RULES, translate
+from worker_support import base_env, http_text, low_free_port, start_worker, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "docs" / "examples"
@@ -179,6 +182,88 @@ def test_a_check_on_a_mapped_key_names_the_upstream_key() -> None:
 # ---- worker direction --------------------------------------------------------------------------------
 
 
-def _worker_commands() -> list[list[str]]:
-    lines = (EXAMPLES / "upstream-1.6.1-worker-commands.txt").read_text().splitlines()
-    return [shlex.split(line) for line in lines if line.strip() and not line.startswith("#")]
+@dataclass(frozen=True)
+class WorkerCommand:
+    env: dict[str, str]
+    argv: list[str]
+    expect: str
+
+    def with_model(self, model: Path) -> list[str]:
+        argv = list(self.argv)
+        argv[argv.index("--model") + 1] = str(model)
+        return argv
+
+
+def _worker_commands() -> list[WorkerCommand]:
+    """The commands of docs/examples/upstream-1.6.1-worker-commands.txt, each after its expect line."""
+    out, expect = [], ""
+    for line in (EXAMPLES / "upstream-1.6.1-worker-commands.txt").read_text().splitlines():
+        if line.startswith("# expect"):
+            expect = line[2:]
+        elif line.strip() and not line.startswith("#"):
+            words = shlex.split(line)
+            env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=")[0].isupper())
+            argv = words[len(env) :]
+            assert argv[:3] in (["python", "-m", "dynamo.vllm"], ["python3", "-m", "dynamo.vllm"]), line
+            out.append(WorkerCommand(env, argv[3:], expect))
+            expect = ""
+    return out
+
+
+COMMANDS = _worker_commands()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("command", COMMANDS, ids=[f"cmd{i}" for i in range(len(COMMANDS))])
+def test_upstream_worker_command_lines(
+    command: WorkerCommand,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dynamo.vllm import args as wargs
+
+    for name in ("DYN_NAMESPACE", "DYN_ENDPOINT", "DYN_VLLM_DISAGGREGATION_MODE", "DYN_DISAGGREGATION_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in command.env.items():
+        monkeypatch.setenv(name, value)
+    argv = command.with_model(tiny_model_dir)
+    kind, _, want = command.expect.partition(": ")
+    if kind == "expect-error":
+        with pytest.raises(SystemExit) as exc:
+            wargs.parse_args(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], err
+        return
+    assert kind == "expect", command
+    mode, path = want.split()
+    config = wargs.parse_args(argv)
+    assert (config.disaggregation_mode, config.endpoint_path) == (mode, path)
+
+
+@pytest.mark.vllm
+def test_upstream_endpoint_form_serves(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A worker started the upstream way (``--endpoint dyn://...``, mode from
+    ``DYN_VLLM_DISAGGREGATION_MODE``, system server on ``DYN_SYSTEM_PORT``) registers under that endpoint."""
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    port = low_free_port()
+    env = base_env(
+        kv, DYN_VLLM_DISAGGREGATION_MODE="agg", DYN_NAMESPACE="elsewhere", DYN_SYSTEM_PORT=str(port)
+    )
+    worker = start_worker(
+        tiny_model_dir, env, tmp_path / "worker.log", "--endpoint", "dyn://compat.backend.generate"
+    )
+    try:
+        want = 'dynamo_worker_ready{component="backend",namespace="compat",'
+
+        def registered() -> bool:
+            with contextlib.suppress(OSError):
+                return any(line.startswith(want) and line.endswith(" 1.0")
+                           for line in http_text(f"http://127.0.0.1:{port}/metrics").splitlines())  # fmt: skip
+            return False
+
+        wait_until(registered, timeout=240, procs=[worker])
+    finally:
+        worker.stop()
