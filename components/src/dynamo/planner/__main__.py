@@ -23,6 +23,8 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
+from dynamo.common.cli_setup import add_version_flag, setup_logging
+
 from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, load_config_text, merge
 from .upstream import FLAG_KEYS as UPSTREAM_FLAG_KEYS
 from .upstream import Translation, mapping_table, translate
@@ -62,6 +64,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dynamo.planner", description=__doc__.split("\n")[0])
+    add_version_flag(parser, "dynamo.planner")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="observe, decide and act (the default command)")
     _common(run)
@@ -86,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-ticks", type=int, help="stop after this many decisions (tests, scripted runs)")
     run.add_argument(
         "--log-level",
-        default=os.environ.get("DYN_LOG", "info"),
-        help="logging level (env DYN_LOG, default info)",
+        default=None,
+        help="logging level: debug, info, warn, error (default: env DYN_LOG, else info)",
     )
     rp = sub.add_parser("replay", help="recorded FPM JSON lines -> decisions and a timeline")
     rp.add_argument("file", help="JSON lines of recv_forward_pass_metrics --json ('-' = stdin)")
@@ -326,7 +329,7 @@ async def run_planner(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("run", "replay", "config", "simulate", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "replay", "config", "simulate", "-h", "--help", "--version"):
         argv.insert(0, "run")
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -363,11 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         with stream:
             run_replay(stream, cfg, sys.stdout, as_json=cfg.json_stdout, step=args.step)
         return EXIT_OK
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level)
     for entry in translation.entries:
         logger.info("%s", entry.line())
     return asyncio.run(run_planner(cfg, max_ticks=args.max_ticks))

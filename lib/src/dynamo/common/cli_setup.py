@@ -67,10 +67,22 @@ def version_text(prog: str) -> str:
     return f"{prog} {PACKAGE} {ours}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def add_version_flag(parser: argparse.ArgumentParser, prog: str) -> None:
+class _Version(argparse.Action):
+    """``--version``: one unwrapped line on stdout, exit 0 (argparse's own action wraps long lines)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        self.prog = str(kwargs.pop("prog", ""))
+        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kw: object) -> None:
+        print(version_text(self.prog), flush=True)
+        parser.exit(0)
+
+
+def add_version_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, prog: str) -> None:
     parser.add_argument(
         "--version",
-        action="version",
-        version=version_text(prog),
+        action=_Version,
+        prog=prog,
         help="print our package version and the Dynamo runtime's and vLLM's, and exit",
     )
