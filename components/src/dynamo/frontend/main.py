@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from dynamo.common.cli_setup import add_version_flag, setup_logging
+from dynamo.common.cli_setup import add_version_flag, loopback_by_default, setup_logging
 
 log = logging.getLogger("dynamo.frontend")
 
@@ -150,6 +150,7 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
+    loopback_by_default()  # the runtime's system server (DYN_SYSTEM_PORT); --http-host is separate
     try:
         asyncio.run(run(args))
     except KeyboardInterrupt:

@@ -23,7 +23,7 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
-from dynamo.common.cli_setup import add_version_flag, setup_logging
+from dynamo.common.cli_setup import add_version_flag, loopback_by_default, setup_logging
 
 from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, load_config_text, merge
 from .upstream import FLAG_KEYS as UPSTREAM_FLAG_KEYS
@@ -73,7 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--dry-run", action="store_true", default=None, help="decide and log, never act")
     run.add_argument("--decision-log", help="append decisions as JSON lines to this file")
-    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (default: env PLANNER_PROMETHEUS_PORT, upstream's; 0: off)",
+    )
+    run.add_argument(
+        "--metrics-host",
+        help="address --metrics-port binds (default: env DYN_SYSTEM_HOST, else 127.0.0.1; 0.0.0.0 opens it)",
+    )
     run.add_argument("--nats-url", help="NATS server (default: env NATS_SERVER, else nats://localhost:4222)")
     run.add_argument(
         "--tui",
@@ -144,6 +152,7 @@ def effective_config(args: argparse.Namespace, translation: Translation | None =
         "dry_run",
         "decision_log",
         "metrics_port",
+        "metrics_host",
         "nats_url",
         "tui",
     ):
@@ -171,6 +180,12 @@ def effective_config(args: argparse.Namespace, translation: Translation | None =
     if k8s:
         over["kubernetes"] = k8s
     data = merge(data, over)
+    port = os.environ.get("PLANNER_PROMETHEUS_PORT", "")
+    if "metrics_port" not in data and args.command in (None, "run", "config") and port.strip():
+        if not port.strip().isdigit():
+            raise ConfigError(f"metrics_port: PLANNER_PROMETHEUS_PORT={port!r} is not a port")
+        if int(port) > 0:
+            data["metrics_port"] = int(port)
     if "namespace" not in data and os.environ.get("DYN_NAMESPACE"):
         data["namespace"] = os.environ["DYN_NAMESPACE"]
     if "tui" not in data and args.command in (None, "run"):
@@ -291,7 +306,7 @@ async def run_planner(
         return EXIT_SERVICE
     metrics = PlannerMetrics()
     if cfg.metrics_port is not None:
-        metrics.serve(cfg.metrics_port)
+        metrics.serve(cfg.metrics_port, addr=cfg.resolved_metrics_host(dict(os.environ)))
     log = DecisionLog(cfg.decision_log, stdout=cfg.json_stdout)
     planner = Planner(cfg, connector, log=log, metrics=metrics, cards=cards)
     tracker = FpmTracker(
@@ -367,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             run_replay(stream, cfg, sys.stdout, as_json=cfg.json_stdout, step=args.step)
         return EXIT_OK
     setup_logging(args.log_level)
+    loopback_by_default()  # the runtime's system server (DYN_SYSTEM_PORT), unless DYN_SYSTEM_HOST says
     for entry in translation.entries:
         logger.info("%s", entry.line())
     return asyncio.run(run_planner(cfg, max_ticks=args.max_ticks))

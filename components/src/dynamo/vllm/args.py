@@ -83,6 +83,7 @@ class WorkerConfig:
     event_plane: str = "zmq"
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     fpm_enabled: bool = True
     custom_jinja_template: str | None = None
     standby: bool = False
@@ -183,6 +184,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="Serve the worker's Prometheus metrics (FPM publisher counters, in-flight requests, "
         "readiness) on this port; 0 picks a free port; unset: off (the same metrics are also on the "
         "runtime's system server when DYN_SYSTEM_PORT is set). env: DYN_WORKER_METRICS_PORT",
+    )
+    g.add_argument(
+        "--metrics-host",
+        default=_env("DYN_SYSTEM_HOST", "127.0.0.1"),
+        help="Address --metrics-port binds; 0.0.0.0 opens it to other hosts (a container's probes and "
+        "scrapers need that). env: DYN_SYSTEM_HOST, which also sets the runtime's system server "
+        "(DYN_SYSTEM_PORT) address; unset: 127.0.0.1 for both",
     )
     g.add_argument(
         "--fpm",
@@ -332,6 +340,7 @@ def config_from_namespace(ns: argparse.Namespace, engine_args: Any) -> WorkerCon
         event_plane=ns.event_plane or default_event_plane(),
         drain_timeout_s=ns.drain_timeout,
         metrics_port=ns.metrics_port,
+        metrics_host=ns.metrics_host,
         fpm_enabled=ns.fpm_enabled,
         custom_jinja_template=ns.custom_jinja_template,
         standby=ns.standby,

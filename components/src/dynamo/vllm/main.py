@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from dynamo.common import worker_state as ws
-from dynamo.common.cli_setup import setup_logging
+from dynamo.common.cli_setup import loopback_by_default, setup_logging
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
 from dynamo.vllm import registration, shm_wait
@@ -149,8 +149,8 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     with contextlib.suppress(Exception):
         endpoint.metrics.register_prometheus_expfmt_callback(metrics.expfmt)
     if config.metrics_port is not None:
-        port = metrics.serve(config.metrics_port)
-        log.info("Prometheus metrics on port %d", port)
+        port = metrics.serve(config.metrics_port, host=config.metrics_host)
+        log.info("Prometheus metrics on port %d (%s)", port, config.metrics_host)
     gate: asyncio.Task[None] | None = None
     if transport_mode == "gate" and config.fpm_enabled:
         gate = loop.create_task(gate_on_transport(readiness, collector.health, grace_s=transport_grace))
@@ -326,6 +326,7 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``drain.ExitCode``)."""
     setup_logging()
+    loopback_by_default()  # the runtime's system server, unless DYN_SYSTEM_HOST opens it
     # `kill -USR2 <pid>` prints every thread's stack to stderr: the way to see what a stuck worker waits on.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     # The Dynamo runtime starts threads; a forked EngineCore would inherit them half-copied.

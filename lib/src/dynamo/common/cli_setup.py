@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import MutableMapping
 from importlib import metadata
 
 PACKAGE = "dynamo-fpm"
@@ -49,6 +50,21 @@ def setup_logging(level: str | None = None) -> None:
         )
         return
     configure_dynamo_logging()
+
+
+# Metrics and health ports bind loopback unless told otherwise; DYN_SYSTEM_HOST is the runtime's
+# (upstream's) name for its system server's address, and ours for every such port of a process.
+LOOPBACK = "127.0.0.1"
+ENV_SYSTEM_HOST = "DYN_SYSTEM_HOST"
+
+
+def loopback_by_default(env: MutableMapping[str, str] | None = None) -> str:
+    """Keep the runtime's system server (``DYN_SYSTEM_PORT``, ``0.0.0.0`` by the runtime's default) on
+    loopback unless ``DYN_SYSTEM_HOST`` says where; returns the address our own ports bind too."""
+    env = os.environ if env is None else env
+    if not env.get(ENV_SYSTEM_HOST):
+        env[ENV_SYSTEM_HOST] = LOOPBACK
+    return env[ENV_SYSTEM_HOST]
 
 
 def _installed(names: tuple[str, ...]) -> str | None:
