@@ -267,3 +267,13 @@ def test_upstream_endpoint_form_serves(tiny_model_dir: Path, tmp_path: Path) -> 
         wait_until(registered, timeout=240, procs=[worker])
     finally:
         worker.stop()
+
+
+def test_docs_name_every_upstream_key_and_new_variable() -> None:
+    guide = (REPO / "docs" / "from-upstream.md").read_text()
+    missing = [k for k in RULES if f"`{k}`" not in guide]
+    assert not missing, f"docs/from-upstream.md lacks {missing}"
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    new = ("DYN_VLLM_DISAGGREGATION_MODE", "DYN_ENDPOINT", "DYN_CUSTOM_JINJA_TEMPLATE", "DYN_SYSTEM_HOST",
+           "PLANNER_PROMETHEUS_PORT", "DYN_PARENT_DGD_K8S_NAME", "POD_NAMESPACE", "--version", "--metrics-host")  # fmt: skip
+    assert not [v for v in new if f"`{v}" not in reference]
