@@ -27,6 +27,7 @@ from dynamo.common.cli_setup import add_version_flag, loopback_by_default, setup
 
 from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, load_config_text, merge
 from .upstream import FLAG_KEYS as UPSTREAM_FLAG_KEYS
+from .upstream import RULES as UPSTREAM_RULES
 from .upstream import Translation, mapping_table, translate
 
 logger = logging.getLogger("dynamo.planner")
@@ -56,10 +57,11 @@ def _common(p: argparse.ArgumentParser) -> None:
             dest=f"upstream_{key}",
             metavar="V",
             default=None,
-            help=argparse.SUPPRESS,
+            help=f"upstream key {key}: "
+            + (UPSTREAM_RULES[key].ours if UPSTREAM_RULES[key].ours != "-" else UPSTREAM_RULES[key].note),
         )
     up.add_argument("--no-operation", dest="upstream_no_operation", action="store_const", const=True,
-                    help=argparse.SUPPRESS)  # fmt: skip
+                    help="upstream's pre-1.0 flag: dry_run")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
