@@ -148,6 +148,8 @@ def test_every_top_level_key_of_upstreams_planner_config_is_known(upstream_dir: 
     ],
 )  # fmt: skip
 def test_translation(data: dict[str, Any], expected: dict[str, Any]) -> None:
+    if "target" not in data:  # an upstream config: upstream's environment unless it says
+        expected = {**expected, "connector": "kubernetes"}
     assert translate(data).data == expected
 
 
@@ -174,7 +176,7 @@ def test_refused_keys_are_named(data: dict[str, Any], key: str) -> None:
 
 
 def test_a_check_on_a_mapped_key_names_the_upstream_key() -> None:
-    r = _planner("config", "--config", '{"max_gpu_budget": 1, "min_endpoint": 1}')
+    r = _planner("config", "--config", '{"max_gpu_budget": 1, "min_endpoint": 1, "advisory": true}')
     assert r.returncode == 2
     assert "gpu_budget: 1 cannot hold" in r.stderr and "(set from upstream max_gpu_budget: 1)" in r.stderr
 
@@ -277,3 +279,13 @@ def test_docs_name_every_upstream_key_and_new_variable() -> None:
     new = ("DYN_VLLM_DISAGGREGATION_MODE", "DYN_ENDPOINT", "DYN_CUSTOM_JINJA_TEMPLATE", "DYN_SYSTEM_HOST",
            "PLANNER_PROMETHEUS_PORT", "DYN_PARENT_DGD_K8S_NAME", "POD_NAMESPACE", "--version", "--metrics-host")  # fmt: skip
     assert not [v for v in new if f"`{v}" not in reference]
+
+
+def test_an_upstream_config_gets_upstreams_environment_and_says_what_it_needs() -> None:
+    r = _planner("config", "--config", '{"min_endpoint": 1}')
+    assert r.returncode == 2
+    assert "kubernetes.deployment: the DynamoGraphDeployment name is required" in r.stderr
+    assert "DYN_PARENT_DGD_K8S_NAME" in r.stderr
+    ok = _planner("config", "--config", '{"min_endpoint": 1}', env={"DYN_PARENT_DGD_K8S_NAME": "g"})
+    assert ok.returncode == 0, ok.stderr
+    assert "upstream environment: None -> connector: 'kubernetes'" in ok.stderr

@@ -22,8 +22,10 @@ from typing import Any
 
 from .config import ConfigError
 
-# Upstream 1.6.1's default GPU budget (SLAPlannerDefaults.max_gpu_budget); negative disables it.
+# Upstream 1.6.1's defaults applied to an upstream config that leaves them out (SLAPlannerDefaults):
+# the GPU budget (negative disables it) and the environment (our connector).
 UPSTREAM_MAX_GPU_BUDGET = 8
+UPSTREAM_ENVIRONMENT = "kubernetes"
 # The operator injects the parent DynamoGraphDeployment's name and the pod's namespace.
 ENV_DGD_NAME = "DYN_PARENT_DGD_K8S_NAME"
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
@@ -64,16 +66,19 @@ class Translation:
     data: dict[str, Any]
     entries: list[Entry] = field(default_factory=list)
 
-    @property
-    def is_upstream(self) -> bool:
-        return bool(self.entries)
-
     def explain(self, exc: ConfigError) -> ConfigError:
         """``exc`` naming the upstream key too when it is about a key that one set."""
         key = str(exc).split(":", 1)[0]
         for e in self.entries:
             if any(ours == key for ours, _ in e.sets):
                 return ConfigError(f"{exc} (set from upstream {e.key}: {e.value!r})")
+        if key == "kubernetes.deployment" and any(
+            ours == "connector" for e in self.entries for ours, _ in e.sets
+        ):
+            return ConfigError(
+                f"{exc} (upstream environment kubernetes: upstream's operator sets {ENV_DGD_NAME}; "
+                "set it, or kubernetes.deployment)"
+            )
         return exc
 
 
@@ -255,7 +260,10 @@ def _unset(v: Any) -> bool:
 RULES: dict[str, Rule] = {
     "optimization_target": Rule("target", "same values", _to("target")),
     "environment": Rule(
-        "connector", "kubernetes -> kubernetes, virtual -> virtual; global-planner refused", _environment
+        "connector",
+        "kubernetes -> kubernetes, virtual -> virtual; global-planner refused; unset in an upstream config: "
+        f"{UPSTREAM_ENVIRONMENT}",
+        _environment,
     ),
     "backend": Rule("-", "vllm and mocker accepted (nothing to set); others refused", _backend),
     "mode": Rule(
@@ -458,19 +466,23 @@ def translate(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
         for ours, v in sets:
             _set(out, ours, v, key)
         entries.append(Entry(key, value, tuple(sets), rule.note))
+    if "environment" not in upstream and "connector" not in out:
+        out["connector"] = UPSTREAM_ENVIRONMENT
+        entries.append(
+            Entry("environment", None, (("connector", UPSTREAM_ENVIRONMENT),), "upstream's default")
+        )
     if "max_gpu_budget" not in upstream and "gpu_budget" not in out:
         out["gpu_budget"] = UPSTREAM_MAX_GPU_BUDGET
         entries.append(
             Entry("max_gpu_budget", None, (("gpu_budget", UPSTREAM_MAX_GPU_BUDGET),), "upstream's default")
         )
     env = env or {}
-    if out.get("connector") == "kubernetes":
-        k8s = out.setdefault("kubernetes", {})
-        if isinstance(k8s, dict):
-            for ours, var in (("deployment", ENV_DGD_NAME), ("k8s_namespace", ENV_POD_NAMESPACE)):
-                if var in env and ours not in k8s:
-                    k8s[ours] = env[var]
-                    entries.append(Entry(f"env {var}", env[var], ((f"kubernetes.{ours}", env[var]),), ""))
+    given = out.get("kubernetes", {})
+    if out.get("connector") == "kubernetes" and isinstance(given, dict):  # else our check names it
+        for ours, var in (("deployment", ENV_DGD_NAME), ("k8s_namespace", ENV_POD_NAMESPACE)):
+            if env.get(var) and ours not in given:
+                out["kubernetes"] = given = {**given, ours: env[var]}
+                entries.append(Entry(f"env {var}", env[var], ((f"kubernetes.{ours}", env[var]),), ""))
     return Translation(out, entries)
 
 
