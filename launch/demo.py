@@ -20,12 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_lib.runner import DemoRun, make_config, nixl_available
+from dynamo.common.cli_setup import add_version_flag, setup_logging
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch/demo.py", description=__doc__.split("\n")[0])
+    add_version_flag(p, "launch/demo.py")
     p.add_argument(
         "--duration",
         type=float,
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging()
     run_dir = args.run_dir or REPO / "runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -231,3 +231,18 @@ def test_dgd_example_fits_the_planners_kubernetes_connector() -> None:
     if "--k8s-deployment" in cmd:
         assert cmd[cmd.index("--k8s-deployment") + 1] == dgd["metadata"]["name"]
     assert planner["podTemplate"]["spec"]["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
+
+
+@pytest.mark.parametrize("kind", ["gpu", "cpu"])
+def test_containers_open_the_metrics_and_health_ports(kind: str) -> None:
+    """Our processes bind their metrics/health ports to loopback by default; every container of ours
+    says DYN_SYSTEM_HOST=0.0.0.0 explicitly, so probes and scrapers from outside reach them."""
+    for name, svc in _services(kind).items():
+        if name in ("frontend", "prefill", "decode", "planner"):
+            assert _ours(svc), f"{kind}: {name}"
+            assert (svc.get("environment") or {}).get("DYN_SYSTEM_HOST") == "0.0.0.0", f"{kind}: {name}"
+    docs = [d for d in yaml.safe_load_all(K8S.read_text()) if d]
+    dgd = next(d for d in docs if d["kind"] == "DynamoGraphDeployment")
+    for comp in dgd["spec"]["components"]:
+        env = {e["name"]: e["value"] for e in comp["podTemplate"]["spec"]["containers"][0].get("env", [])}
+        assert env.get("DYN_SYSTEM_HOST") == "0.0.0.0", comp["name"]

@@ -60,8 +60,8 @@ WORKER = textwrap.dedent(
             write_state(path, "draining")
             time.sleep(0.2)
             state = "standby"
+            print("parked", flush=True)  # before the state file says so: the test reads the log then
             write_state(path, state)
-            print("parked", flush=True)
         time.sleep(0.02)
     """
 )

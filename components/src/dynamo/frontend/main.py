@@ -16,6 +16,8 @@ import signal
 import sys
 from typing import Any, NoReturn
 
+from dynamo.common.cli_setup import add_version_flag, loopback_by_default, setup_logging
+
 log = logging.getLogger("dynamo.frontend")
 
 ROUTER_MODES = {
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dynamo.frontend",
         description="Dynamo's OpenAI-compatible HTTP frontend (from ai-dynamo-runtime) for dynamo.vllm workers.",
     )
+    add_version_flag(p, "dynamo.frontend")
     p.add_argument(
         "--http-host",
         default=_env("DYN_HTTP_HOST", "0.0.0.0"),
@@ -145,8 +148,9 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    setup_logging()
+    loopback_by_default()  # the runtime's system server (DYN_SYSTEM_PORT); --http-host is separate
     try:
         asyncio.run(run(args))
     except KeyboardInterrupt:

@@ -23,7 +23,12 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
-from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, merge
+from dynamo.common.cli_setup import add_version_flag, loopback_by_default, setup_logging
+
+from .config import ConfigError, PlannerConfig, config_from_mapping, load_config_arg, load_config_text, merge
+from .upstream import FLAG_KEYS as UPSTREAM_FLAG_KEYS
+from .upstream import RULES as UPSTREAM_RULES
+from .upstream import Translation, mapping_table, translate
 
 logger = logging.getLogger("dynamo.planner")
 
@@ -43,10 +48,25 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", action="store_true", dest="json_stdout", help="decisions as JSON lines on stdout"
     )
+    up = p.add_argument_group(
+        "upstream Dynamo planner keys as flags (mapped to ours; see 'config --mapping', docs/from-upstream.md)"
+    )
+    for key in UPSTREAM_FLAG_KEYS:
+        up.add_argument(
+            "--" + key.replace("_", "-"),
+            dest=f"upstream_{key}",
+            metavar="V",
+            default=None,
+            help=f"upstream key {key}: "
+            + (UPSTREAM_RULES[key].ours if UPSTREAM_RULES[key].ours != "-" else UPSTREAM_RULES[key].note),
+        )
+    up.add_argument("--no-operation", dest="upstream_no_operation", action="store_const", const=True,
+                    help="upstream's pre-1.0 flag: dry_run")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dynamo.planner", description=__doc__.split("\n")[0])
+    add_version_flag(parser, "dynamo.planner")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="observe, decide and act (the default command)")
     _common(run)
@@ -55,7 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--dry-run", action="store_true", default=None, help="decide and log, never act")
     run.add_argument("--decision-log", help="append decisions as JSON lines to this file")
-    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (default: env PLANNER_PROMETHEUS_PORT, upstream's; 0: off)",
+    )
+    run.add_argument(
+        "--metrics-host",
+        help="address --metrics-port binds (default: env DYN_SYSTEM_HOST, else 127.0.0.1; 0.0.0.0 opens it)",
+    )
     run.add_argument("--nats-url", help="NATS server (default: env NATS_SERVER, else nats://localhost:4222)")
     run.add_argument(
         "--tui",
@@ -77,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-ticks", type=int, help="stop after this many decisions (tests, scripted runs)")
     run.add_argument(
         "--log-level",
-        default=os.environ.get("DYN_LOG", "info"),
-        help="logging level (env DYN_LOG, default info)",
+        default=None,
+        help="logging level: debug, info, warn, error (default: env DYN_LOG, else info)",
     )
     rp = sub.add_parser("replay", help="recorded FPM JSON lines -> decisions and a timeline")
     rp.add_argument("file", help="JSON lines of recv_forward_pass_metrics --json ('-' = stdin)")
@@ -86,16 +114,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=float, default=0.1, help="seconds between lines without a time stamp (default: 0.1)"
     )
     _common(rp)
-    cp = sub.add_parser("config", help="print the validated effective configuration as JSON")
+    cp = sub.add_parser(
+        "config",
+        help="print the validated effective configuration as JSON (upstream keys: their mapping on stderr)",
+    )
     _common(cp)
+    cp.add_argument(
+        "--mapping",
+        action="store_true",
+        help="print how every upstream Dynamo 1.6.1 planner key maps to ours, and exit",
+    )
     from .sim.cli import add_parser as add_simulate
 
     add_simulate(sub)
     return parser
 
 
-def effective_config(args: argparse.Namespace) -> PlannerConfig:
-    data = load_config_arg(getattr(args, "config", None))
+def upstream_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Upstream keys given as flags (``--max-gpu-budget 8``), values read as YAML scalars."""
+    out: dict[str, Any] = {}
+    for key in (*UPSTREAM_FLAG_KEYS, "no_operation"):
+        raw = getattr(args, f"upstream_{key}", None)
+        if raw is None:
+            continue
+        out[key] = raw if not isinstance(raw, str) else load_config_text(f"v: {raw}")["v"]
+    return out
+
+
+def translated_config(args: argparse.Namespace) -> Translation:
+    """The config file (or text) with upstream keys and flags mapped to ours; our flags not yet applied."""
+    data = merge(load_config_arg(getattr(args, "config", None)), upstream_flags(args))
+    return translate(data, os.environ)
+
+
+def effective_config(args: argparse.Namespace, translation: Translation | None = None) -> PlannerConfig:
+    translation = translation or translated_config(args)
+    data = translation.data
     over: dict[str, Any] = {}
     for key in (
         "namespace",
@@ -106,6 +160,7 @@ def effective_config(args: argparse.Namespace) -> PlannerConfig:
         "dry_run",
         "decision_log",
         "metrics_port",
+        "metrics_host",
         "nats_url",
         "tui",
     ):
@@ -133,11 +188,20 @@ def effective_config(args: argparse.Namespace) -> PlannerConfig:
     if k8s:
         over["kubernetes"] = k8s
     data = merge(data, over)
+    port = os.environ.get("PLANNER_PROMETHEUS_PORT", "")
+    if "metrics_port" not in data and args.command in (None, "run", "config") and port.strip():
+        if not port.strip().isdigit():
+            raise ConfigError(f"metrics_port: PLANNER_PROMETHEUS_PORT={port!r} is not a port")
+        if int(port) > 0:
+            data["metrics_port"] = int(port)
     if "namespace" not in data and os.environ.get("DYN_NAMESPACE"):
         data["namespace"] = os.environ["DYN_NAMESPACE"]
     if "tui" not in data and args.command in (None, "run"):
         data["tui"] = sys.stderr.isatty() and not data.get("json_stdout", False)
-    return config_from_mapping(data)
+    try:
+        return config_from_mapping(data)
+    except ConfigError as exc:
+        raise translation.explain(exc) from exc
 
 
 def _reachable(url: str, default_port: int, timeout: float = 2.0) -> bool:
@@ -254,7 +318,7 @@ async def run_planner(
     metrics = PlannerMetrics()
     metrics.set_sla_targets(cfg.sla.ttft_ms, cfg.sla.itl_ms)
     if cfg.metrics_port is not None:
-        metrics.serve(cfg.metrics_port)
+        metrics.serve(cfg.metrics_port, addr=cfg.resolved_metrics_host(dict(os.environ)))
     log = DecisionLog(cfg.decision_log, stdout=cfg.json_stdout)
     planner = Planner(cfg, connector, log=log, metrics=metrics, cards=cards)
     tracker = FpmTracker(
@@ -292,15 +356,25 @@ async def run_planner(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("run", "replay", "config", "simulate", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "replay", "config", "simulate", "-h", "--help", "--version"):
         argv.insert(0, "run")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "config" and args.mapping:
+        width = max(len(k) for k, _, _ in mapping_table())
+        print(f"{'upstream 1.6.1 key':<{width}}  ours  (note)")
+        for key, ours, note in mapping_table():
+            print(f"{key:<{width}}  {ours}" + (f"  ({note})" if note else ""))
+        return EXIT_OK
     try:
-        cfg = effective_config(args)
+        translation = translated_config(args)
+        cfg = effective_config(args, translation)
     except ConfigError as exc:
         print(f"dynamo.planner: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.command != "run":
+        for entry in translation.entries:
+            print(entry.line(), file=sys.stderr)
     if args.command == "config":
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return EXIT_OK
@@ -327,11 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         with stream:
             run_replay(stream, cfg, sys.stdout, as_json=cfg.json_stdout, step=args.step)
         return EXIT_OK
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level)
+    loopback_by_default()  # the runtime's system server (DYN_SYSTEM_PORT), unless DYN_SYSTEM_HOST says
+    for entry in translation.entries:
+        logger.info("%s", entry.line())
     return asyncio.run(run_planner(cfg, max_ticks=args.max_ticks))
 
 

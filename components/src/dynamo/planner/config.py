@@ -200,12 +200,17 @@ class PlannerConfig:
     decision_log: str | None = None
     json_stdout: bool = False
     metrics_port: int | None = None
+    # Address of metrics_port (None: env DYN_SYSTEM_HOST, else 127.0.0.1; 0.0.0.0 opens it).
+    metrics_host: str | None = None
     tui: bool = False
 
     def effective_thresholds(self) -> Thresholds:
         if self.thresholds is not None:
             return self.thresholds
         return PRESETS.get(self.target, PRESETS["throughput"])
+
+    def resolved_metrics_host(self, env: dict[str, str]) -> str:
+        return self.metrics_host or env.get("DYN_SYSTEM_HOST") or "127.0.0.1"
 
     def pool(self, name: str) -> PoolConfig:
         return self.prefill if name == "prefill" else self.decode

@@ -169,5 +169,5 @@ class PlannerMetrics:
                 self.load.labels(p).set(pd.load_max)
             self.decisions.labels(p, pd.action).inc()
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

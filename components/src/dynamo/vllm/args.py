@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from dynamo.common.cli_setup import add_version_flag
 from dynamo.common.fpm_subjects import (
     DECODE_COMPONENT,
     DEFAULT_ENDPOINT,
@@ -25,6 +26,41 @@ DISCOVERY_BACKENDS = ("file", "etcd", "kubernetes", "mem")
 REQUEST_PLANES = ("tcp", "nats")
 EVENT_PLANES = ("nats", "zmq")
 EXIT_BAD_ARGS = 2
+# Upstream Dynamo 1.6.1 worker flags we have no equivalent for: refused by name, not as "unrecognized".
+UPSTREAM_ONLY_FLAGS = frozenset(
+    {
+        "--connector",
+        "--use-vllm-tokenizer",
+        "--route-to-encoder",
+        "--enable-multimodal",
+        "--enable-rl",
+        "--mm-prompt-template",
+        "--custom-encoder-class",
+        "--embedding-transfer-mode",
+        "--embedding-worker",
+        "--embedding-worker-processes",
+        "--realtime",
+        "--classify-worker",
+        "--headless",
+        "--model-express-url",
+        "--gms-shadow-mode",
+        "--benchmark-mode",
+        "--kv-state-endpoint",
+        "--response-plane",
+        "--fpm-trace",
+        "--dyn-tool-call-parser",
+        "--dyn-reasoning-parser",
+        "--dyn-default-thinking-mode",
+        "--dyn-structural-tag",
+        "--endpoint-types",
+        "--dump-config-to",
+        "--health-check-payload",
+        "--engine-request-limit",
+        "--tcp-tls-cert-path",
+        "--tcp-tls-key-path",
+        "--tcp-tls-ca-cert-path",
+    }
+)
 WORKER_GROUP = "Dynamo worker options"
 
 
@@ -47,6 +83,7 @@ class WorkerConfig:
     event_plane: str = "zmq"
     drain_timeout_s: float = 30.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     fpm_enabled: bool = True
     custom_jinja_template: str | None = None
     standby: bool = False
@@ -84,6 +121,7 @@ def component_for_mode(mode: str) -> str:
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Our own flags (vLLM's engine arguments are added next to them by ``build_parser``)."""
+    add_version_flag(parser, "dynamo.vllm")
     g = parser.add_argument_group(
         WORKER_GROUP,
         "Flags added by dynamo.vllm; every other flag is vLLM's own engine argument, passed unchanged.",
@@ -91,10 +129,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disaggregation-mode",
         choices=DISAGGREGATION_MODES,
-        default=_env("DYN_DISAGGREGATION_MODE", "agg"),
+        default=_env("DYN_VLLM_DISAGGREGATION_MODE", None) or _env("DYN_DISAGGREGATION_MODE", "agg"),
         help="agg: prefill and decode in this engine; prefill: prefill-only worker (component 'prefill'); "
         "decode: decode worker fed by prefill workers. prefill/decode need --kv-transfer-config. "
-        "env: DYN_DISAGGREGATION_MODE",
+        "env: DYN_VLLM_DISAGGREGATION_MODE (upstream's name), else DYN_DISAGGREGATION_MODE",
     )
     g.add_argument(
         "--namespace",
@@ -108,8 +146,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--endpoint",
-        default=DEFAULT_ENDPOINT,
-        help="Dynamo endpoint name",
+        default=_env("DYN_ENDPOINT", None),
+        help=f"Dynamo endpoint name (default: {DEFAULT_ENDPOINT}), or upstream's full form "
+        "dyn://namespace.component.endpoint (also without dyn://), which sets all three. env: DYN_ENDPOINT",
     )
     g.add_argument(
         "--discovery-backend",
@@ -147,6 +186,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "runtime's system server when DYN_SYSTEM_PORT is set). env: DYN_WORKER_METRICS_PORT",
     )
     g.add_argument(
+        "--metrics-host",
+        default=_env("DYN_SYSTEM_HOST", "127.0.0.1"),
+        help="Address --metrics-port binds; 0.0.0.0 opens it to other hosts (a container's probes and "
+        "scrapers need that). env: DYN_SYSTEM_HOST, which also sets the runtime's system server "
+        "(DYN_SYSTEM_PORT) address; unset: 127.0.0.1 for both",
+    )
+    g.add_argument(
         "--fpm",
         dest="fpm_enabled",
         action=argparse.BooleanOptionalAction,
@@ -155,8 +201,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--custom-jinja-template",
-        default=None,
-        help="Chat template file for the frontend, for models whose tokenizer has none; unset: the model's",
+        default=_env("DYN_CUSTOM_JINJA_TEMPLATE", None),
+        help="Chat template file for the frontend, for models whose tokenizer has none; unset: the model's. "
+        "env: DYN_CUSTOM_JINJA_TEMPLATE",
     )
     g.add_argument(
         "--standby",
@@ -256,24 +303,44 @@ def validate(config: WorkerConfig) -> None:
         raise ConfigError(f"--custom-jinja-template {config.custom_jinja_template!r} is not a file")
 
 
+def resolve_endpoint(
+    endpoint: str | None, namespace: str, component: str | None, mode: str
+) -> tuple[str, str, str]:
+    """(namespace, component, endpoint) from our flags, where ``--endpoint`` may be upstream's
+    ``dyn://namespace.component.endpoint`` (it then sets all three, as upstream's does)."""
+    value = endpoint or DEFAULT_ENDPOINT
+    if value.startswith("dyn://") or "." in value:
+        parts = value.removeprefix("dyn://").split(".")
+        if len(parts) != 3 or not all(parts):
+            raise ConfigError(f"--endpoint {value!r}: expected a name or dyn://namespace.component.endpoint")
+        if component and component != parts[1]:
+            raise ConfigError(
+                f"--endpoint {value!r} names component {parts[1]!r}, --component says {component!r}"
+            )
+        return parts[0], parts[1], parts[2]
+    return namespace, component or component_for_mode(mode), value
+
+
 def config_from_namespace(ns: argparse.Namespace, engine_args: Any) -> WorkerConfig:
     """Build our config from parsed flags; ``engine_args`` is ``AsyncEngineArgs.from_cli_args(ns)``."""
     served = getattr(engine_args, "served_model_name", None)
     if isinstance(served, list | tuple):
         served = served[0] if served else None
     mode = ns.disaggregation_mode
+    namespace, component, endpoint = resolve_endpoint(ns.endpoint, ns.namespace, ns.component, mode)
     return WorkerConfig(
         model=engine_args.model,
         served_model_name=served or engine_args.model,
         disaggregation_mode=mode,
-        namespace=ns.namespace,
-        component=ns.component or component_for_mode(mode),
-        endpoint=ns.endpoint,
+        namespace=namespace,
+        component=component,
+        endpoint=endpoint,
         discovery_backend=ns.discovery_backend,
         request_plane=ns.request_plane,
         event_plane=ns.event_plane or default_event_plane(),
         drain_timeout_s=ns.drain_timeout,
         metrics_port=ns.metrics_port,
+        metrics_host=ns.metrics_host,
         fpm_enabled=ns.fpm_enabled,
         custom_jinja_template=ns.custom_jinja_template,
         standby=ns.standby,
@@ -299,6 +366,14 @@ def prevalidate(argv: list[str]) -> None:
     pre.add_argument("--model", default=None)
     pre.add_argument("--kv-transfer-config", default=None)
     ns, _ = pre.parse_known_args(argv)
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in UPSTREAM_ONLY_FLAGS:
+            fail(f"{flag}: upstream Dynamo's flag is not supported by this worker (docs/from-upstream.md)")
+    try:
+        resolve_endpoint(ns.endpoint, ns.namespace, ns.component, ns.disaggregation_mode)
+    except ConfigError as exc:
+        fail(str(exc))
     if ns.model:
         problem = model_path_problem(ns.model)
         if problem:

@@ -194,7 +194,7 @@ class WorkerMetrics:
     def expfmt(self) -> str:
         return generate_latest(self.registry).decode()
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP server (0 = a free port): ``/health`` as JSON (200 when ready, else 503),
         every other path the Prometheus exposition. Returns the bound port."""
         metrics_handler = MetricsHandler.factory(self.registry)

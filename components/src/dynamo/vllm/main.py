@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from dynamo.common import worker_state as ws
+from dynamo.common.cli_setup import loopback_by_default, setup_logging
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
 from dynamo.vllm import registration, shm_wait
@@ -43,14 +44,6 @@ from dynamo.vllm.health import (
 from dynamo.vllm.standby import StandbyControl, early_options, gate_path
 
 log = logging.getLogger("dynamo.vllm")
-
-
-def _setup_logging() -> None:
-    level = os.environ.get("DYN_LOG_LEVEL", os.environ.get("DYN_LOG", "INFO")).upper()
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -161,8 +154,8 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     with contextlib.suppress(Exception):
         endpoint.metrics.register_prometheus_expfmt_callback(metrics.expfmt)
     if config.metrics_port is not None:
-        port = metrics.serve(config.metrics_port)
-        log.info("Prometheus metrics on port %d", port)
+        port = metrics.serve(config.metrics_port, host=config.metrics_host)
+        log.info("Prometheus metrics on port %d (%s)", port, config.metrics_host)
     gate: asyncio.Task[None] | None = None
     if transport_mode == "gate" and config.fpm_enabled:
         gate = loop.create_task(gate_on_transport(readiness, collector.health, grace_s=transport_grace))
@@ -337,7 +330,8 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (see ``drain.ExitCode``)."""
-    _setup_logging()
+    setup_logging()
+    loopback_by_default()  # the runtime's system server, unless DYN_SYSTEM_HOST opens it
     # `kill -USR2 <pid>` prints every thread's stack to stderr: the way to see what a stuck worker waits on.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     # The Dynamo runtime starts threads; a forked EngineCore would inherit them half-copied.
@@ -353,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(exc))
     control.install_early()
     config = parse_args(argv)
+    setup_logging()  # again, now that vLLM is imported: its loggers get the runtime's format too
     try:
         transport_health_from_env(os.environ)
     except ValueError as exc:

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from dynamo.common.cli_setup import add_version_flag
+
 VOCAB_SIZE = 1000
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 # head_dim = hidden_size / num_attention_heads must be one the CPU attention kernel supports (32, 64, ...).
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out_dir", help="folder to write the model into (created; reused if already built)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    add_version_flag(parser, "dynamo.vllm.tiny_model")
     args = parser.parse_args(argv)
     path = build_tiny_model(args.out_dir, args.seed)
     print(path)

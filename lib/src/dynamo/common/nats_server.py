@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dynamo.common.cli_setup import add_version_flag
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--jetstream", action="store_true", help="enable JetStream (temporary store folder)")
+    add_version_flag(parser, "dynamo.common.nats_server")
     args = parser.parse_args(argv)
     server = EmbeddedNatsServer(port=args.port or None, host=args.host, jetstream=args.jetstream).start()
     print(f"NATS_SERVER={server.url}", flush=True)

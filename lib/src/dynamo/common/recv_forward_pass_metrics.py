@@ -21,6 +21,7 @@ import sys
 import time
 from typing import TextIO
 
+from dynamo.common.cli_setup import add_version_flag, setup_logging
 from dynamo.common.fpm_subjects import DEFAULT_NAMESPACE
 from dynamo.common.fpm_tracker import FpmTracker, TrackedWorker, record_to_dict
 from dynamo.common.nats_options import nats_url_from_env, redact_url
@@ -131,6 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=5.0,
         help="mark an engine stale after this many seconds (default 5)",
     )
+    add_version_flag(p, "dynamo.common.recv_forward_pass_metrics")
     p.add_argument(
         "--connect-timeout",
         type=float,
@@ -197,6 +199,7 @@ async def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
     try:
         code = asyncio.run(run(args))
     except KeyboardInterrupt:
