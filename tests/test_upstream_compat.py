@@ -258,7 +258,7 @@ def test_upstream_endpoint_form_serves(tiny_model_dir: Path, tmp_path: Path) -> 
         tiny_model_dir, env, tmp_path / "worker.log", "--endpoint", "dyn://compat.backend.generate"
     )
     try:
-        want = 'dynamo_worker_ready{component="backend",namespace="compat",'
+        want = 'dynamo_worker_ready{dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="compat",'
 
         def registered() -> bool:
             with contextlib.suppress(OSError):

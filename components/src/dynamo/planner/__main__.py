@@ -375,17 +375,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run":
         for entry in translation.entries:
             print(entry.line(), file=sys.stderr)
-    if args.command == "config":
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
-        return EXIT_OK
-    if args.command == "run" and cfg.connector == "kubernetes" and not cfg.dry_run:
+    if args.command in ("run", "config") and cfg.connector == "kubernetes" and not cfg.dry_run:
         from .connector_kubernetes import resolve_target
 
         try:  # before connecting to anything: the DGD name may come from the pod's environment
             resolve_target(cfg.kubernetes, os.environ)
         except ConfigError as exc:
-            print(f"dynamo.planner: config error: {exc}", file=sys.stderr)
+            print(f"dynamo.planner: config error: {translation.explain(exc)}", file=sys.stderr)
             return EXIT_CONFIG
+    if args.command == "config":
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return EXIT_OK
     if args.command == "simulate":
         from .sim.cli import run as run_simulate
 

@@ -75,10 +75,7 @@ class Translation:
         if key == "kubernetes.deployment" and any(
             ours == "connector" for e in self.entries for ours, _ in e.sets
         ):
-            return ConfigError(
-                f"{exc} (upstream environment kubernetes: upstream's operator sets {ENV_DGD_NAME}; "
-                "set it, or kubernetes.deployment)"
-            )
+            return ConfigError(f"{exc}; the connector is kubernetes, upstream's default environment")
         return exc
 
 
