@@ -7,8 +7,10 @@ vLLM's own ``SamplingParams`` and ``RequestOutput`` types are used (real types, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -499,3 +501,57 @@ def test_standby_options_are_read_before_argparse(tmp_path: Path) -> None:
     control.close_gate()
     control.close_gate()  # twice is fine
     assert not control.gate_file.exists()
+
+
+# ---- registration capacity ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _EngineConfig:
+    """The parts of vLLM's config the worker reads capacity from (real vLLM sub-configs)."""
+
+    model_config: Any
+    cache_config: Any
+    scheduler_config: Any
+    parallel_config: Any
+
+
+def _engine_config(blocks: int, **parallel: Any) -> _EngineConfig:
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
+
+    cache = CacheConfig(block_size=32)
+    cache.num_gpu_blocks = blocks  # what vLLM's engine client leaves there: the sum over its engines
+    sched = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048, is_encoder_decoder=False
+    )
+    return _EngineConfig(types.SimpleNamespace(max_model_len=2048), cache, sched, ParallelConfig(**parallel))
+
+
+@pytest.mark.parametrize(
+    ("parallel", "engines"),
+    [
+        ({}, 1),
+        ({"data_parallel_size": 4}, 4),  # internal load balancing: the client manages every rank
+        ({"data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_hybrid_lb": True}, 2),
+        ({"data_parallel_size": 4, "data_parallel_rank_local": 1}, 1),  # offline: one engine per client
+    ],
+)
+def test_data_parallel_workers_register_one_engines_kv_capacity(
+    parallel: dict[str, Any], engines: int
+) -> None:
+    """vLLM sums the engines' block counts; the model card must carry one engine's (the planner multiplies)."""
+    from dynamo.vllm.registration import runtime_config
+
+    config = _engine_config(1000 * engines, **parallel)
+    assert eng.summed_engines(config.parallel_config) == engines
+    capacity = eng.engine_capacity(config, eng.summed_engines(config.parallel_config))
+    card = runtime_config(capacity)
+    assert card.total_kv_blocks == 1000
+    assert card.data_parallel_size == parallel.get("data_parallel_size", 1)
+
+
+def test_the_engine_clients_own_rank_list_wins() -> None:
+    config = _engine_config(3001, data_parallel_size=4)
+    client = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_ranks_managed=[0, 1, 2]))
+    assert eng.summed_engines(config.parallel_config, client) == 3
+    assert eng.engine_capacity(config, 3).total_kv_blocks == 1000  # floored: never more than an engine has

@@ -173,7 +173,9 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
             log.error("engine failed to start: %s", _one_line(exc))
             print(f"dynamo.vllm: error: engine failed to start: {_one_line(exc)}", file=sys.stderr)
             return ExitCode.STARTUP_FAILED
-        capacity = eng.engine_capacity(engine.vllm_config)
+        capacity = eng.engine_capacity(
+            engine.vllm_config, eng.summed_engines(engine.vllm_config.parallel_config, engine)
+        )
         model_config = engine.vllm_config.model_config
         handler = RequestHandler(
             engine,
