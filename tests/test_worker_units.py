@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import time
 import types
 from pathlib import Path
@@ -239,13 +240,21 @@ def test_sampling_options_and_stop_conditions_reach_vllm() -> None:
     from vllm.sampling_params import RequestOutputKind
 
     req = _request(
-        sampling_options={"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 11, "n": None, "unknown": 1},
+        sampling_options={
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "seed": 11,
+            "n": None,
+            "best_of": None,
+        },
         stop_conditions={
             "max_tokens": 9,
             "min_tokens": 2,
             "ignore_eos": True,
             "stop": ["x"],
             "stop_token_ids_hidden": [7, 8],
+            "stop_token_ids_visible": [9],
         },
         output_options={"logprobs": 2},
     )
@@ -253,7 +262,7 @@ def test_sampling_options_and_stop_conditions_reach_vllm() -> None:
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 5, 11)
     assert (params.max_tokens, params.min_tokens, params.ignore_eos) == (9, 2, True)
     assert params.repetition_penalty == 1.1  # model default kept when the request says nothing
-    assert set(params.stop_token_ids or []) >= {7, 8}
+    assert set(params.stop_token_ids or []) >= {7, 8, 9}
     assert not params.stop  # stop strings are applied by the frontend on detokenized text
     assert params.logprobs == 2
     assert params.detokenize is False and params.output_kind == RequestOutputKind.DELTA
@@ -311,42 +320,165 @@ def test_router_dp_rank_maps_to_the_local_engine_rank() -> None:
     assert local_dp_rank(None, 0, 4) is None
 
 
-def _output(token_ids: list[int], finished: bool, reason: str | None = None, kv: Any = None) -> Any:
-    from vllm.outputs import CompletionOutput, RequestOutput
+def test_options_that_cannot_be_honoured_are_refused_by_name() -> None:
+    """Never dropped silently: each one is a RequestError (HTTP 400 at the frontend) that names it."""
+    from dynamo.vllm.handlers import RequestError, build_sampling_params
 
-    comp = CompletionOutput(
-        index=0, text="", token_ids=token_ids, cumulative_logprob=None, logprobs=None, finish_reason=reason
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"sampling_options": {"best_of": 3}}, "agg", "best_of"),
+        ({"sampling_options": {"use_beam_search": True}}, "agg", "use_beam_search"),
+        ({"sampling_options": {"length_penalty": 0.5}}, "agg", "length_penalty"),
+        ({"sampling_options": {"guided_decoding": {"json": {}}}}, "agg", "guided_decoding"),
+        ({"sampling_options": {"new_knob": 1}}, "agg", "new_knob"),
+        ({"stop_conditions": {"max_tokens": 4, "new_stop": 1}}, "agg", "new_stop"),
+        ({"output_options": {"new_output": 1}}, "agg", "new_output"),
+        ({"output_options": {"logprobs": -1}}, "agg", "logprobs"),
+        ({"output_options": {"prompt_logprobs": 1}}, "agg", "prompt_logprobs"),  # not asked back: dropped
+        ({"output_options": {"prompt_logprobs": 1}, **_NVEXT_PROMPT_LOGPROBS}, "decode", "prompt_logprobs"),
+        ({"sampling_options": {"n": 3}}, "decode", "n=3"),
+        ({"sampling_options": {"n": 2}}, "prefill", "n=2"),
+    ]
+    for change, mode, name in cases:
+        with pytest.raises(RequestError, match=re.escape(name)):
+            build_sampling_params(_request(**change), {}, 100, mode=mode)
+    # Neutral values are fine: best_of equal to n, beam-search settings left at their defaults.
+    params = build_sampling_params(
+        _request(sampling_options={"n": 3, "best_of": 3, "use_beam_search": False, "length_penalty": 1.0}),
+        {},
+        100,
     )
+    assert params.n == 3
+
+
+_NVEXT_PROMPT_LOGPROBS = {"extra_args": {"nvext": {"extra_fields": ["prompt_logprobs"]}}}
+
+
+def test_logprob_options_reach_vllm() -> None:
+    from dynamo.vllm.handlers import RequestHandler, build_sampling_params
+
+    params = build_sampling_params(
+        _request(output_options={"logprobs": 0, "prompt_logprobs": 2}, **_NVEXT_PROMPT_LOGPROBS), {}, 100
+    )
+    assert (params.logprobs, params.prompt_logprobs) == (0, 2)
+    assert params.skip_reading_prefix_cache is True  # cached prompt positions would have no logprobs
+    # The prefill worker's token is discarded: it computes no logprobs, the decode worker does.
+    prefill = RequestHandler(None, "prefill", InflightTracker(), 100)
+    assert prefill._params(_request(output_options={"logprobs": 2})).logprobs is None
+    decode = RequestHandler(None, "decode", InflightTracker(), 100)
+    assert decode._params(_request(output_options={"logprobs": 2})).logprobs == 2
+
+
+def _completion(index: int, token_ids: list[int], reason: str | None = None, logprobs: Any = None) -> Any:
+    from vllm.outputs import CompletionOutput
+
+    return CompletionOutput(
+        index=index,
+        text="",
+        token_ids=token_ids,
+        cumulative_logprob=None,
+        logprobs=logprobs,
+        finish_reason=reason,
+    )
+
+
+def _output(
+    token_ids: list[int],
+    finished: bool,
+    reason: str | None = None,
+    kv: Any = None,
+    outputs: list[Any] | None = None,
+    prompt_logprobs: Any = None,
+) -> Any:
+    from vllm.outputs import RequestOutput
+
     return RequestOutput(
         request_id="r",
         prompt=None,
         prompt_token_ids=[1, 2, 3],
-        prompt_logprobs=None,
-        outputs=[comp],
+        prompt_logprobs=prompt_logprobs,
+        outputs=outputs if outputs is not None else [_completion(0, token_ids, reason)],
         finished=finished,
         kv_transfer_params=kv,
         num_cached_tokens=2,
     )
 
 
-def test_output_frames() -> None:
-    from dynamo.vllm.handlers import output_frame
+def _builder(prefill: bool = False, **params: Any) -> Any:
+    from dynamo.vllm.handlers import FrameBuilder
+    from vllm import SamplingParams
 
-    assert output_frame(_output([5], False), 3, 1, prefill=False) == {"token_ids": [5]}
-    last = output_frame(_output([6, 7], True, "length"), 3, 3, prefill=False)
+    return FrameBuilder(3, prefill, SamplingParams(**params))
+
+
+def test_output_frames() -> None:
+    frames = _builder()
+    assert frames.frames(_output([5], False)) == [{"token_ids": [5]}]
+    [last] = frames.frames(_output([6, 7], True, "length"))
     assert last["token_ids"] == [6, 7] and last["finish_reason"] == "length"
     assert last["completion_usage"]["completion_tokens"] == 3
     assert last["completion_usage"]["prompt_tokens_details"]["cached_tokens"] == 2
-    assert output_frame(_output([], True, "abort"), 3, 0, prefill=False)["finish_reason"] == "cancelled"
+    assert _builder().frames(_output([], True, "abort"))[0]["finish_reason"] == "cancelled"
+
+
+def test_several_choices_are_framed_by_index() -> None:
+    """n=3: each choice streams under its own index and ends with its own finish reason."""
+    frames = _builder(n=3)
+    step = frames.frames(_output([], False, outputs=[_completion(0, [5]), _completion(2, [6])]))
+    assert [(f["index"], f["token_ids"]) for f in step] == [(0, [5]), (2, [6])]
+    assert all("finish_reason" not in f for f in step)
+    step = frames.frames(_output([], False, outputs=[_completion(1, [7, 8], "length"), _completion(0, [])]))
+    assert [(f["index"], f["token_ids"], f["finish_reason"]) for f in step] == [(1, [7, 8], "length")]
+    step = frames.frames(
+        _output([], True, outputs=[_completion(0, [9], "stop"), _completion(2, [4], "length")])
+    )
+    assert [(f["index"], f["finish_reason"]) for f in step] == [(0, "stop"), (2, "length")]
+    assert step[-1]["completion_usage"]["completion_tokens"] == 6  # every choice's tokens
+    assert frames.generated == {0: 2, 1: 2, 2: 2}
+
+
+def test_logprobs_are_framed_for_the_frontend() -> None:
+    from vllm.logprobs import Logprob
+
+    position = {
+        7: Logprob(logprob=-2.5, rank=3, decoded_token=None),  # sampled, outside the top 2
+        4: Logprob(logprob=-0.1, rank=1, decoded_token=None),
+        5: Logprob(logprob=float("-inf"), rank=2, decoded_token=None),
+    }
+    frames = _builder(logprobs=2)
+    [frame] = frames.frames(_output([], False, outputs=[_completion(0, [7], logprobs=[position])]))
+    assert frame["log_probs"] == [-2.5]
+    assert frame["top_logprobs"] == [
+        [
+            {"rank": 1, "token_id": 4, "token": None, "logprob": -0.1},
+            {"rank": 2, "token_id": 5, "token": None, "logprob": -9999.0},
+        ]
+    ]
+    # logprobs=0 (chat's logprobs without top_logprobs): the sampled token's logprob only.
+    [frame] = _builder(logprobs=0).frames(
+        _output([], False, outputs=[_completion(0, [7], logprobs=[position])])
+    )
+    assert frame["log_probs"] == [-2.5] and frame["top_logprobs"] == [[]]
+    # Not asked for: nothing added.
+    assert "log_probs" not in _builder().frames(_output([7], False))[0]
+
+
+def test_prompt_logprobs_ride_on_the_last_frame() -> None:
+    from vllm.logprobs import Logprob
+
+    prompt = [None, {2: Logprob(logprob=-1.5, rank=1, decoded_token=None)}, {3: Logprob(-0.5, 4, None)}]
+    frames = _builder(prompt_logprobs=1)
+    assert "engine_data" not in frames.frames(_output([5], False, prompt_logprobs=prompt))[0]
+    [last] = frames.frames(_output([6], True, "length"))
+    assert last["engine_data"] == {
+        "prompt_logprobs": [None, {"2": {"logprob": -1.5, "rank": 1}}, {"3": {"logprob": -0.5, "rank": 4}}]
+    }
 
 
 def test_prefill_frame_carries_disaggregated_params() -> None:
-    from dynamo.vllm.handlers import output_frame
-
     kv = {"do_remote_prefill": True, "remote_block_ids": [0]}
-    frame = output_frame(_output([9], True, "length", kv), 3, 1, prefill=True)
+    frame = _builder(prefill=True).frames(_output([9], True, "length", kv))[0]
     assert frame["disaggregated_params"] == {"kv_transfer_params": kv}
-    assert output_frame(_output([9], True, "length"), 3, 1, prefill=True)["disaggregated_params"] is None
+    assert _builder(prefill=True).frames(_output([9], True, "length"))[0]["disaggregated_params"] is None
 
 
 # ---- drain -------------------------------------------------------------------------------------
