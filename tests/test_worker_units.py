@@ -687,3 +687,31 @@ def test_the_engine_clients_own_rank_list_wins() -> None:
     client = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_ranks_managed=[0, 1, 2]))
     assert eng.summed_engines(config.parallel_config, client) == 3
     assert eng.engine_capacity(config, 3).total_kv_blocks == 1000  # floored: never more than an engine has
+
+
+# ---- engine hooks ------------------------------------------------------------------------------
+
+
+def test_engine_hooks_act_only_in_a_workers_engine_processes() -> None:
+    from dynamo.vllm import engine_hooks as hooks
+
+    assert not hooks.is_engine_process({}, 10)  # vLLM run by anything else
+    assert not hooks.is_engine_process({hooks.WORKER_PID_ENV: "10"}, 10)  # the worker itself
+    assert hooks.is_engine_process({hooks.WORKER_PID_ENV: "10"}, 11)
+
+
+def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
+    import torch
+    from dynamo.vllm import engine_hooks
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    x = torch.tensor([[0.1, 0.5, 0.3, 0.3], [1.0, -1.0, 0.0, 2.0]])
+    values = torch.tensor([[0.3], [0.0]])
+    originals = (logprobs.batched_count_greater_than, sampler.batched_count_greater_than)
+    try:
+        assert engine_hooks.eager_logprob_ranks()
+        assert sampler.batched_count_greater_than is logprobs.batched_count_greater_than
+        assert sampler.batched_count_greater_than(x, values).tolist() == [3, 3]
+    finally:
+        logprobs.batched_count_greater_than, sampler.batched_count_greater_than = originals

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 from dynamo.common import worker_state as ws
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
-from dynamo.vllm import registration, shm_wait
+from dynamo.vllm import engine_hooks, registration, shm_wait
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.drain import ExitCode, InflightTracker, drain
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
@@ -137,6 +137,8 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
         control.gate_file = gate_path(stats_dir)
         fpm_env[ENV_GATE_FILE] = str(control.gate_file)
     os.environ.update(fpm_env)
+    # For the engine processes' hooks (engine_hooks): they act only below this process.
+    os.environ[engine_hooks.WORKER_PID_ENV] = str(os.getpid())
     log.info(
         "worker %s serving %s (%s mode), FPM %s",
         worker_id,
