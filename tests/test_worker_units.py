@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from dynamo.vllm import args as wargs
 from dynamo.vllm import engine as eng
-from dynamo.vllm.drain import ExitCode, InflightTracker, drain
+from dynamo.vllm.drain import ExitCode, InflightTracker, Outcome, drain
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics, read_stats
 from dynamo.vllm.registration import ROLES
 
@@ -489,9 +489,10 @@ async def test_drain_unregisters_first_then_waits_for_inflight() -> None:
     events: list[str] = []
 
     async def request(rid: str, seconds: float) -> None:
-        with tracker.track(rid):
+        with tracker.track(rid) as tracked:
             await asyncio.sleep(seconds)
             events.append(f"done {rid}")
+            tracked.outcome = Outcome.COMPLETED
 
     async def unregister() -> None:
         events.append("unregistered")
@@ -505,19 +506,22 @@ async def test_drain_unregisters_first_then_waits_for_inflight() -> None:
     await task
     assert events == ["unregistered", "done a"]
     assert not tracker.accepting
-    assert report.inflight_at_start == 1 and report.aborted == 0
+    assert report.inflight_at_start == 1 and report.aborted == 0 and report.completed == 1
     assert report.exit_code == ExitCode.OK
     assert report.waited_s >= 0.2
+    assert "1 completed, aborted 0" in report.summary()
 
 
-async def test_drain_aborts_what_outlives_the_grace_period() -> None:
+async def test_drain_cuts_what_outlives_the_grace_period_and_counts_it() -> None:
     tracker = InflightTracker()
     aborted: list[str] = []
     gate = asyncio.Event()
 
     async def request(rid: str) -> None:
-        with tracker.track(rid):
+        with tracker.track(rid) as tracked:
             await gate.wait()
+            # What the handler does: a request the drain cut is handed back, not finished.
+            tracked.outcome = Outcome.HANDED_BACK if tracker.was_cut(rid) else Outcome.COMPLETED
 
     async def abort(rid: str) -> None:
         aborted.append(rid)
@@ -526,14 +530,45 @@ async def test_drain_aborts_what_outlives_the_grace_period() -> None:
     async def unregister() -> None:
         raise RuntimeError("discovery down")  # must not stop the drain
 
-    task = asyncio.create_task(request("slow"))
+    tasks = [asyncio.create_task(request(rid)) for rid in ("slow-1", "slow-2")]
     await asyncio.sleep(0.01)
     start = time.monotonic()
     report = await drain(tracker, unregister, abort, grace_s=0.2)
-    await task
-    assert aborted == ["slow"]
+    await asyncio.gather(*tasks)
+    assert aborted == ["slow-1", "slow-2"]
+    assert (report.aborted, report.handed_back, report.completed) == (2, 2, 0)
+    assert "aborted 2 (2 at the grace period" in report.summary()
     assert report.exit_code == ExitCode.DRAIN_TIMEOUT
     assert time.monotonic() - start < 2
+
+
+async def test_requests_that_fail_during_the_drain_count_as_aborted() -> None:
+    """A scale-down whose requests were cut by something else (the engine stopped under them) logged
+    "aborted 0": every request that ended without its whole answer counts, however it was cut."""
+    tracker = InflightTracker()
+
+    async def request(rid: str, seconds: float, outcome: Outcome | None) -> None:
+        with tracker.track(rid) as tracked:
+            await asyncio.sleep(seconds)
+            if outcome is not None:
+                tracked.outcome = outcome
+
+    async def nothing() -> None:
+        return None
+
+    async def abort(rid: str) -> None:
+        raise AssertionError("nothing outlives the grace period here")
+
+    tasks = [
+        asyncio.create_task(request("failed", 0.05, None)),  # an engine error: no outcome set
+        asyncio.create_task(request("done", 0.05, Outcome.COMPLETED)),
+        asyncio.create_task(request("gone", 0.05, Outcome.CANCELLED)),
+    ]
+    await asyncio.sleep(0.01)
+    report = await drain(tracker, nothing, abort, grace_s=5)
+    await asyncio.gather(*tasks)
+    assert (report.aborted, report.completed, report.cancelled, report.handed_back) == (1, 1, 1, 0)
+    assert report.exit_code == ExitCode.DRAIN_TIMEOUT
 
 
 # ---- metrics -----------------------------------------------------------------------------------

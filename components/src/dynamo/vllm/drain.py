@@ -28,15 +28,39 @@ class ExitCode(enum.IntEnum):
     ENGINE_DIED = 4  # the vLLM engine died while serving
 
 
+class Outcome(enum.Enum):
+    """How a tracked request ended (set by the request handler; ``FAILED`` unless it says otherwise)."""
+
+    COMPLETED = "completed"  # the engine finished it (stop, length...)
+    CANCELLED = "cancelled"  # its client went away
+    REJECTED = "rejected"  # a bad request: nothing was cut
+    HANDED_BACK = "handed_back"  # cut by the drain and ended with EngineShutdown: the frontend may migrate it
+    FAILED = "failed"  # ended by an error without finishing
+
+
+# Outcomes a drain counts as cut: the client did not get its whole answer from this worker.
+CUT_OUTCOMES = frozenset({Outcome.HANDED_BACK, Outcome.FAILED})
+
+
+class Tracked:
+    """One request in flight; the handler sets ``outcome`` before it leaves ``InflightTracker.track``."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.outcome = Outcome.FAILED
+
+
 class InflightTracker:
     """Counts requests being served; ``wait_idle`` resolves when none are left."""
 
     def __init__(self) -> None:
         self._active: set[str] = set()
+        self._cut: set[str] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self.accepting = True
         self.started_total = 0
+        self.ended: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
 
     @property
     def count(self) -> int:
@@ -45,15 +69,26 @@ class InflightTracker:
     def active_ids(self) -> list[str]:
         return sorted(self._active)
 
+    def cut(self, request_id: str) -> None:
+        """Mark a request the drain is about to abort: its handler hands it back instead of finishing it."""
+        if request_id in self._active:
+            self._cut.add(request_id)
+
+    def was_cut(self, request_id: str) -> bool:
+        return request_id in self._cut
+
     @contextlib.contextmanager
-    def track(self, request_id: str) -> Iterator[None]:
+    def track(self, request_id: str) -> Iterator[Tracked]:
+        tracked = Tracked(request_id)
         self._active.add(request_id)
         self.started_total += 1
         self._idle.clear()
         try:
-            yield
+            yield tracked
         finally:
+            self.ended[tracked.outcome] += 1
             self._active.discard(request_id)
+            self._cut.discard(request_id)
             if not self._active:
                 self._idle.set()
 
@@ -68,16 +103,31 @@ class InflightTracker:
 
 @dataclass
 class DrainReport:
-    """What the drain did, for the log line and the exit code."""
+    """What the drain did, for the log line and the exit code.
+
+    ``aborted`` counts every request that ended during the drain without its whole answer (handed back to the
+    frontend at the grace period, or failed), however it was cut; ``handed_back`` is the part the drain itself
+    ended at the grace period.
+    """
 
     unregister_s: float
     waited_s: float
     inflight_at_start: int
     aborted: int
+    completed: int = 0
+    cancelled: int = 0
+    handed_back: int = 0
 
     @property
     def exit_code(self) -> ExitCode:
         return ExitCode.DRAIN_TIMEOUT if self.aborted else ExitCode.OK
+
+    def summary(self) -> str:
+        return (
+            f"{self.completed} completed, aborted {self.aborted} "
+            f"({self.handed_back} at the grace period, handed back to the frontend to migrate), "
+            f"{self.cancelled} cancelled by their clients"
+        )
 
 
 async def drain(
@@ -86,10 +136,15 @@ async def drain(
     abort: Callable[[str], Awaitable[None]],
     grace_s: float,
 ) -> DrainReport:
-    """Refuse new requests, unregister, wait up to ``grace_s`` for in-flight requests, abort the rest."""
+    """Refuse new requests, unregister, wait up to ``grace_s`` for in-flight requests, cut the rest.
+
+    A request cut at the grace period is aborted in vLLM and its handler ends it with ``EngineShutdown``, which
+    the frontend migrates to another worker (``--migration-limit``) instead of returning a truncated answer.
+    """
     tracker.accepting = False
     start = time.monotonic()
     inflight = tracker.count
+    ended_before = dict(tracker.ended)
     try:
         await unregister()
     except Exception as exc:  # keep draining: the lease expiry will remove us eventually
@@ -99,18 +154,25 @@ async def drain(
         "drain: unregistered in %.3f s, waiting for %d in-flight request(s)", unregistered - start, inflight
     )
     finished = await tracker.wait_idle(grace_s)
-    aborted = 0
     if not finished:
         remaining = tracker.active_ids()
-        aborted = len(remaining)
-        log.warning("drain: grace period of %.1f s expired, aborting %d request(s)", grace_s, aborted)
+        log.warning(
+            "drain: grace period of %.1f s expired, cutting %d request(s) (handed back to the frontend)",
+            grace_s,
+            len(remaining),
+        )
         for request_id in remaining:
+            tracker.cut(request_id)
             with contextlib.suppress(Exception):
                 await abort(request_id)
         await tracker.wait_idle(5.0)
+    ended = {outcome: tracker.ended[outcome] - ended_before[outcome] for outcome in Outcome}
     return DrainReport(
         unregister_s=unregistered - start,
         waited_s=time.monotonic() - unregistered,
         inflight_at_start=inflight,
-        aborted=aborted,
+        aborted=sum(ended[o] for o in CUT_OUTCOMES) + tracker.count,
+        completed=ended[Outcome.COMPLETED],
+        cancelled=ended[Outcome.CANCELLED],
+        handed_back=ended[Outcome.HANDED_BACK],
     )

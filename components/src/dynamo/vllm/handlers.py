@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from dynamo.vllm.drain import InflightTracker
+from dynamo.vllm.drain import InflightTracker, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +375,12 @@ class RequestHandler:
         return build_sampling_params(request, self.default_sampling, self.model_max_len, kv, mode=self.mode)
 
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        """Stream token deltas; abort in vLLM when the client goes away; errors become Dynamo errors."""
+        """Stream token deltas; abort in vLLM when the client goes away; errors become Dynamo errors.
+
+        A request the drain cut (``InflightTracker.cut``) ends with ``EngineShutdown`` instead of a finish
+        reason: the frontend then migrates it to another worker (``--migration-limit``) with the tokens
+        generated so far, or reports an error; it never returns the partial text as a finished answer.
+        """
         from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
         if not self.tracker.accepting:
@@ -390,7 +395,17 @@ class RequestHandler:
         frames = FrameBuilder(len(token_ids), self.mode == "prefill", params)
         finished = False
         watcher = _watch_cancellation(context, self.engine, request_id)
-        with self.tracker.track(request_id):
+
+        def handed_back() -> Exception:
+            tracked.outcome = Outcome.HANDED_BACK
+            log.info(
+                "request %s cut by the drain after %d token(s): handed back to the frontend",
+                request_id,
+                frames.total_generated,
+            )
+            return EngineShutdown("worker is draining: request handed back for migration")
+
+        with self.tracker.track(request_id) as tracked:
             try:
                 from vllm.inputs import TokensPrompt
 
@@ -401,20 +416,32 @@ class RequestHandler:
                 async for output in stream:
                     if context is not None and context.is_stopped():
                         log.info("request %s cancelled by the client (context stopped)", request_id)
+                        tracked.outcome = Outcome.CANCELLED
                         await self.engine.abort(request_id)
                         return
+                    if output.finished and self.tracker.was_cut(request_id) and _aborted(output):
+                        raise handed_back()
                     finished = output.finished
                     for frame in frames.frames(output):
                         yield frame
                     if finished:
+                        tracked.outcome = Outcome.COMPLETED
                         return
+                if self.tracker.was_cut(request_id):
+                    raise handed_back()
             except (asyncio.CancelledError, GeneratorExit):
                 if not finished:
                     log.info("request %s cancelled by the client (stream closed)", request_id)
+                    tracked.outcome = Outcome.CANCELLED
                     await _abort_quietly(self.engine, request_id)
                 raise
+            except EngineShutdown:
+                raise
             except Exception as exc:
+                if self.tracker.was_cut(request_id):
+                    raise handed_back() from exc
                 if _is_client_error(exc):
+                    tracked.outcome = Outcome.REJECTED
                     raise InvalidArgument(str(exc)) from exc
                 if _is_engine_dead(exc):
                     raise EngineShutdown(f"vLLM engine is dead: {exc}") from exc
@@ -423,6 +450,13 @@ class RequestHandler:
             finally:
                 if watcher is not None:
                     watcher.cancel()
+
+
+def _aborted(output: Any) -> bool:
+    """Whether a finished output ended because vLLM aborted it (any choice)."""
+    return (
+        any(getattr(c, "finish_reason", None) == "abort" for c in output.outputs or []) or not output.outputs
+    )
 
 
 def _request_id(context: Any) -> str:

@@ -271,9 +271,9 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
                 control.close_gate()
                 control.write(ws.STANDBY)
                 log.info(
-                    "parked: unregistered, %d request(s) drained, %d aborted; standing by",
+                    "parked: unregistered, %d request(s) in flight: %s; standing by",
                     report.inflight_at_start,
-                    report.aborted,
+                    report.summary(),
                 )
                 registered = False
                 promote = loop.create_task(control.promoted())
@@ -300,11 +300,11 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
                     tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
                 )
                 log.info(
-                    "drained: unregistered in %.3f s, waited %.2f s for %d request(s), aborted %d",
+                    "drained: unregistered in %.3f s, waited %.2f s for %d request(s): %s",
                     report.unregister_s,
                     report.waited_s,
                     report.inflight_at_start,
-                    report.aborted,
+                    report.summary(),
                 )
                 code = report.exit_code
             else:
