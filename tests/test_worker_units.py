@@ -750,3 +750,57 @@ def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
         assert sampler.batched_count_greater_than(x, values).tolist() == [3, 3]
     finally:
         logprobs.batched_count_greater_than, sampler.batched_count_greater_than = originals
+
+
+_ORPHAN_SCRIPT = """
+import os, subprocess, sys, time
+from dynamo.vllm import engine_hooks
+if sys.argv[1] == "parent":
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], "child"], env={
+        **os.environ, engine_hooks.WORKER_PID_ENV: str(os.getpid())})
+    print(child.pid, flush=True)
+    time.sleep(60)
+else:
+    engine_hooks.register()  # what vLLM does in each engine process
+    time.sleep(60)
+"""
+
+
+def test_an_engine_process_ends_when_its_worker_is_killed() -> None:
+    """The plugin's parent-death tie, on real processes: SIGKILL the parent, its child is gone at once."""
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, "parent", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # the child has registered its tie (importing the module takes well under that)
+        assert Path(f"/proc/{child}").exists()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+            time.sleep(0.05)
+        assert not Path(f"/proc/{child}").exists(), "the child outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(10)
+
+
+def test_an_engine_process_whose_worker_is_already_gone_ends_at_once() -> None:
+    """The race the kernel's tie cannot cover: the worker died before the engine process set the tie."""
+    import os
+    import subprocess
+    import sys
+
+    from dynamo.vllm import engine_hooks
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    env = {**os.environ, engine_hooks.WORKER_PID_ENV: str(gone.pid)}
+    child = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT, "child"], env=env, timeout=30)
+    assert child.returncode == 1

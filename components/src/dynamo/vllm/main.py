@@ -137,7 +137,7 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
         control.gate_file = gate_path(stats_dir)
         fpm_env[ENV_GATE_FILE] = str(control.gate_file)
     os.environ.update(fpm_env)
-    # For the engine processes' hooks (engine_hooks): they act only below this process.
+    # For the engine processes' hooks (engine_hooks): they end with this process, and act only below it.
     os.environ[engine_hooks.WORKER_PID_ENV] = str(os.getpid())
     log.info(
         "worker %s serving %s (%s mode), FPM %s",
