@@ -571,6 +571,67 @@ async def test_requests_that_fail_during_the_drain_count_as_aborted() -> None:
     assert report.exit_code == ExitCode.DRAIN_TIMEOUT
 
 
+def _write_held(path: Path, pinned: int) -> None:
+    path.write_text(json.dumps({"published": 1, "time": time.time(), "kv_pinned_requests": pinned}))
+
+
+async def test_a_prefill_drain_waits_for_the_kv_it_holds_for_decode_workers(tmp_path: Path) -> None:
+    """Upstream issue 4917: stopping a prefill engine under KV a decode worker has yet to read fails that
+    request. The drain waits (bounded) until the engine holds none, and counts what it gives up."""
+    from dynamo.vllm.drain import held_kv_reader
+
+    template = str(tmp_path / "fpm-stats-{dp_rank}.json")
+    rank0, rank1 = tmp_path / "fpm-stats-0.json", tmp_path / "fpm-stats-1.json"
+    _write_held(rank0, 2)
+    _write_held(rank1, 0)
+
+    async def nothing() -> None:
+        return None
+
+    async def abort(rid: str) -> None:
+        raise AssertionError("nothing in flight")
+
+    async def decode_reads(after_s: float) -> None:  # the publisher rewrites its file about once a second
+        await asyncio.sleep(after_s)
+        _write_held(rank1, 0)
+        _write_held(rank0, 0)
+
+    reader = held_kv_reader(template)
+    task = asyncio.create_task(decode_reads(0.4))
+    report = await drain(InflightTracker(), nothing, abort, grace_s=5, held_kv=reader)
+    await task
+    assert report.kv_given_up == 0 and 0.3 <= report.kv_waited_s < 3, report
+    assert report.exit_code == ExitCode.OK
+    assert "0 KV hand-off(s) given up" in report.summary()
+    # A decode worker that never reads: bounded by the grace period (at least one fresh figure), then counted.
+    task = asyncio.create_task(decode_reads_never(rank0, rank1))
+    start = time.monotonic()
+    report = await drain(InflightTracker(), nothing, abort, grace_s=0.5, held_kv=reader)
+    task.cancel()
+    assert report.kv_given_up == 3, report
+    assert time.monotonic() - start < 4
+    assert report.exit_code == ExitCode.DRAIN_TIMEOUT
+
+
+async def decode_reads_never(rank0: Path, rank1: Path) -> None:
+    while True:
+        _write_held(rank0, 2)
+        _write_held(rank1, 1)
+        await asyncio.sleep(0.2)
+
+
+async def test_stale_or_missing_figures_are_not_taken_for_released_kv(tmp_path: Path) -> None:
+    from dynamo.vllm.drain import held_kv_reader
+
+    reader = held_kv_reader(str(tmp_path / "fpm-stats-{dp_rank}.json"))
+    assert reader(0.0) is None  # no file yet
+    path = tmp_path / "fpm-stats-0.json"
+    path.write_text(json.dumps({"time": time.time() - 10, "kv_pinned_requests": 0}))
+    assert reader(time.time()) is None  # written before the drain began: it says nothing of now
+    path.write_text(json.dumps({"time": time.time() + 1}))
+    assert reader(time.time()) == 0  # an engine that never held any: no field
+
+
 # ---- metrics -----------------------------------------------------------------------------------
 
 

@@ -117,17 +117,59 @@ class DrainReport:
     completed: int = 0
     cancelled: int = 0
     handed_back: int = 0
+    kv_waited_s: float = 0.0
+    kv_given_up: int | None = None  # None: not a KV producer, or its pinned blocks could not be seen
 
     @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.DRAIN_TIMEOUT if self.aborted else ExitCode.OK
+        return ExitCode.DRAIN_TIMEOUT if self.aborted or self.kv_given_up else ExitCode.OK
 
     def summary(self) -> str:
-        return (
+        text = (
             f"{self.completed} completed, aborted {self.aborted} "
             f"({self.handed_back} at the grace period, handed back to the frontend to migrate), "
             f"{self.cancelled} cancelled by their clients"
         )
+        if self.kv_given_up is not None:
+            text += (
+                f"; waited {self.kv_waited_s:.2f} s for KV blocks held for decode workers, "
+                f"{self.kv_given_up} KV hand-off(s) given up"
+            )
+        return text
+
+
+# Seconds the drain waits at least for a fresh figure of the held KV blocks (the publisher writes it ~1/s).
+KV_SAMPLE_WAIT_S = 2.5
+
+
+def held_kv_reader(stats_template: str) -> Callable[[float], int | None]:
+    """``pinned(since)``: finished requests whose KV blocks the engine still holds for a decode worker, summed
+    over the engine's ranks, from the FPM publisher's stats files written after ``since`` (wall clock); None
+    until every rank has written a fresh one."""
+    from dynamo.vllm.fpm_env import STAT_KV_PINNED
+    from dynamo.vllm.fpm_metrics import read_stats
+
+    def pinned(since: float) -> int | None:
+        stats = read_stats(stats_template)
+        if not stats or any(float(data.get("time", 0.0)) <= since for data in stats.values()):
+            return None
+        return sum(int(data.get(STAT_KV_PINNED, 0)) for data in stats.values())
+
+    return pinned
+
+
+async def wait_kv_released(
+    pinned: Callable[[float], int | None], deadline: float, interval_s: float = 0.1
+) -> tuple[float, int | None]:
+    """Wait (until the monotonic ``deadline``) for a prefill engine's KV hand-offs to end: the decode workers read
+    the blocks, or vLLM's lease frees them. Returns (seconds waited, hand-offs left: given up; None if unseen)."""
+    start = time.monotonic()
+    since = time.time()
+    left = pinned(since)
+    while left != 0 and time.monotonic() < deadline:
+        await asyncio.sleep(interval_s)
+        left = pinned(since)
+    return time.monotonic() - start, left
 
 
 async def drain(
@@ -135,11 +177,16 @@ async def drain(
     unregister: Callable[[], Awaitable[None]],
     abort: Callable[[str], Awaitable[None]],
     grace_s: float,
+    held_kv: Callable[[float], int | None] | None = None,
 ) -> DrainReport:
     """Refuse new requests, unregister, wait up to ``grace_s`` for in-flight requests, cut the rest.
 
     A request cut at the grace period is aborted in vLLM and its handler ends it with ``EngineShutdown``, which
     the frontend migrates to another worker (``--migration-limit``) instead of returning a truncated answer.
+
+    ``held_kv`` (a prefill worker's :func:`held_kv_reader`): then wait, within the same grace period but at least
+    :data:`KV_SAMPLE_WAIT_S`, for the KV blocks vLLM still holds for decode workers that have not read them yet;
+    stopping the engine under them fails those decode requests. What is left is counted as given up.
     """
     tracker.accepting = False
     start = time.monotonic()
@@ -166,6 +213,18 @@ async def drain(
             with contextlib.suppress(Exception):
                 await abort(request_id)
         await tracker.wait_idle(5.0)
+    kv_waited, kv_left = 0.0, None
+    if held_kv is not None:
+        deadline = max(start + grace_s, time.monotonic() + KV_SAMPLE_WAIT_S)
+        kv_waited, kv_left = await wait_kv_released(held_kv, deadline)
+        if kv_left is None:
+            log.warning("drain: the engine's held KV blocks could not be read; not waiting for decode reads")
+        elif kv_left:
+            log.warning(
+                "drain: %d KV hand-off(s) still held for decode workers after %.1f s: given up",
+                kv_left,
+                kv_waited,
+            )
     ended = {outcome: tracker.ended[outcome] - ended_before[outcome] for outcome in Outcome}
     return DrainReport(
         unregister_s=unregistered - start,
@@ -175,4 +234,6 @@ async def drain(
         completed=ended[Outcome.COMPLETED],
         cancelled=ended[Outcome.CANCELLED],
         handed_back=ended[Outcome.HANDED_BACK],
+        kv_waited_s=kv_waited,
+        kv_given_up=kv_left,
     )

@@ -28,7 +28,7 @@ from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
 from dynamo.vllm import engine_hooks, registration, shm_wait
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
-from dynamo.vllm.drain import ExitCode, InflightTracker, drain
+from dynamo.vllm.drain import ExitCode, InflightTracker, drain, held_kv_reader
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.fpm_env import ENV_GATE_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
@@ -148,6 +148,15 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     )
 
     tracker = InflightTracker()
+    # A prefill engine holds each prompt's KV blocks until a decode worker has read them: the drain waits for that.
+    held_kv = None
+    if config.disaggregation_mode == "prefill":
+        if config.fpm_enabled:
+            held_kv = held_kv_reader(fpm_env["DYN_FPM_STATS_FILE"])
+        else:
+            log.warning(
+                "FPM is off: a drain cannot see the KV blocks held for decode workers and will not wait"
+            )
     collector = WorkerCollector(
         fpm_env["DYN_FPM_STATS_FILE"] if config.fpm_enabled else None,
         lambda: tracker.count,
@@ -265,7 +274,11 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
                     keepalive = None
                 control.write(ws.DRAINING)
                 report = await drain(
-                    tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
+                    tracker,
+                    lambda: registration.unregister(endpoint),
+                    engine.abort,
+                    config.drain_timeout_s,
+                    held_kv,
                 )
                 tracker.accepting = True
                 control.close_gate()
@@ -297,7 +310,11 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
                 log.info("signal received: draining (grace period %.1f s)", config.drain_timeout_s)
                 control.write(ws.DRAINING)
                 report = await drain(
-                    tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
+                    tracker,
+                    lambda: registration.unregister(endpoint),
+                    engine.abort,
+                    config.drain_timeout_s,
+                    held_kv,
                 )
                 log.info(
                     "drained: unregistered in %.3f s, waited %.2f s for %d request(s): %s",
