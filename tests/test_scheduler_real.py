@@ -377,3 +377,26 @@ def test_scan_mode_publishes_the_same_records_as_incremental(model_dir: Path) ->
     finally:
         for sched in made.values():
             sched.shutdown()
+
+
+def test_a_prefill_engine_counts_the_kv_it_holds_for_decode_workers(build: Any) -> None:
+    """NixlConnector (producer side) keeps a finished prefill request's blocks until the decode side has read
+    them: the scheduler publishes how many such hand-offs are open (the worker's drain waits on it)."""
+    from dynamo.vllm.fpm_env import STAT_KV_PINNED
+    from vllm.v1.outputs import KVConnectorOutput
+
+    sched = build(kv_connector="NixlConnector", kv_role="kv_producer")
+    sched._fpm_pub.extra_stats = {}  # the stats-file figures of FpmDirectPublisher
+    req = make_request(70, max_tokens=1)
+    req.sampling_params.extra_args = {"kv_transfer_params": {"do_remote_decode": True}}
+    req.kv_transfer_params = {"do_remote_decode": True}
+    sched.add_request(req)
+    step(sched)
+    assert req.is_finished() and req.request_id in sched.requests  # its blocks are held for the decode side
+    assert sched._fpm_pub.extra_stats[STAT_KV_PINNED] == 1
+    out = sched.schedule()
+    mro = model_output(out)
+    mro.kv_connector_output = KVConnectorOutput(finished_sending={req.request_id})
+    sched.update_from_output(out, mro)
+    assert req.request_id not in sched.requests
+    assert sched._fpm_pub.extra_stats[STAT_KV_PINNED] == 0

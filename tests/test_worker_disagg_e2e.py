@@ -213,7 +213,7 @@ async def test_each_pool_publishes_under_its_worker_id(disagg: Stack) -> None:
 def test_a_deleted_registration_comes_back(disagg: Stack) -> None:
     """Another process deleting the prefill worker's discovery entries (what the runtime's expiry does to an
     entry its owner failed to touch) costs the frontend the prefill pool; the worker writes them back within
-    its keep-alive interval and disaggregated requests are served again. Runs last: it disturbs the stack."""
+    its keep-alive interval and disaggregated requests are served again. Runs last but one: it disturbs the stack."""
     prefill_entries = [p for p in disagg.file_kv.rglob("*") if p.is_file() and "%2Fprefill%2F" in p.name]
     assert len(prefill_entries) == 2, prefill_entries  # instances/ and mdc/
     frontend, prefill = disagg.procs[0], disagg.procs[1]
@@ -229,6 +229,45 @@ def test_a_deleted_registration_comes_back(disagg: Stack) -> None:
     assert prefill.log().count(RESTORED_MARK) - restored == 2
     out = disagg.complete({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
     assert out["choices"][0]["text"].split() == disagg.reference["text"].split()[:4]
+
+
+async def test_a_prefill_drain_waits_for_kv_no_decode_worker_read(
+    disagg: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs last: ends the prefill worker. A prompt prefilled for a decode worker that never reads it (sent to the
+    prefill worker alone) holds its KV blocks in the prefill engine; a drain waits for them through its grace
+    period (30 s by default) and counts the hand-off it gave up, instead of stopping the engine under them at
+    once and reporting a clean exit."""
+    from dynamo.runtime import DistributedRuntime
+
+    frontend, prefill = disagg.procs[0], disagg.procs[1]
+    monkeypatch.setenv("DYN_FILE_KV", str(disagg.file_kv))
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
+    try:
+        client = await runtime.endpoint("dynamo.prefill.generate").client()
+        await asyncio.wait_for(client.wait_for_instances(), 10)
+        request = {
+            "token_ids": list(range(5, 75)),
+            "stop_conditions": {"max_tokens": 1},
+            "sampling_options": {"temperature": 0.0},
+            "output_options": {},
+            "eos_token_ids": [2],
+        }
+        frames = []
+        async for item in await client.round_robin(request):
+            data = item.data() if callable(getattr(item, "data", None)) else item
+            frames.append(data)
+        assert frames and frames[-1]["disaggregated_params"]["kv_transfer_params"], frames
+    finally:
+        runtime.shutdown()
+    started = time.monotonic()
+    prefill.signal(15)
+    code = await asyncio.to_thread(prefill.wait, 90)
+    log = prefill.log()
+    assert "1 KV hand-off(s) given up" in log, log[-3000:]
+    assert code == 3, log[-3000:]
+    assert time.monotonic() - started >= 25  # it waited through the grace period for the decode side
+    assert frontend.popen.poll() is None
 
 
 def _prefill_present(ready_url: str) -> bool:

@@ -84,9 +84,11 @@ def stack(
     env = base_env(file_kv, nats_server.url)
     http_port, metrics_port, system_port = free_port(), free_port(), low_free_port()
     frontend = start_frontend(http_port, env, work / "frontend.log")
+    # An empty inductor cache, as on a fresh host: what vLLM compiles on the first logprobs request is not cached.
+    inductor_cache = work / "inductor-cache"
     worker = start_worker(
         tiny_model_dir,
-        {**env, "DYN_SYSTEM_PORT": str(system_port)},
+        {**env, "DYN_SYSTEM_PORT": str(system_port), "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)},
         work / "worker.log",
         "--served-model-name",
         MODEL,
@@ -215,6 +217,81 @@ def test_bad_request_is_an_error_not_a_crash(stack: Stack) -> None:
     assert stack.worker.popen.poll() is None
     out = _complete(stack, prompt=PROMPTS[0], max_tokens=3, temperature=0)
     assert _words(out["choices"][0]["text"]) == _words(stack.reference[0]["text"])[:3]
+
+
+def test_logprobs_come_back_without_stalling_the_engine(stack: Stack) -> None:
+    """Asked for, returned: the sampled token's logprob and the top 2 per position (greedy: the sampled one is
+    the most likely). The first such request used to take 26 s here (vLLM compiled a kernel for it on CPU)."""
+    start = time.monotonic()
+    out = _complete(stack, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    first_s = time.monotonic() - start
+    logprobs = out["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 6 == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"])
+    for chosen, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
+        assert len(top) == 2 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))
+    assert _words(out["choices"][0]["text"]) == _words(stack.reference[0]["text"])[:6]
+    assert first_s < 5, f"the first logprobs request took {first_s:.1f} s"
+    status, chat = http_json(
+        f"{stack.base_url}/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
+    assert status == 200, chat
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] and all(
+        len(c["top_logprobs"]) == 3 for c in content
+    )
+
+
+def test_several_choices(stack: Stack) -> None:
+    """n=3: three choices of max_tokens tokens each (one came back, sometimes one token over the limit)."""
+    out = _complete(stack, prompt=PROMPTS[1], max_tokens=5, temperature=1.0, n=3, ignore_eos=True, logprobs=0)
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [5, 5, 5]
+    assert all(c["finish_reason"] == "length" for c in choices)
+    assert out["usage"]["completion_tokens"] == 15
+    assert len({c["text"] for c in choices}) > 1  # sampled independently
+    status, chat = http_json(
+        f"{stack.base_url}/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 3, "n": 2, "temperature": 1.0, "ignore_eos": True},
+    )
+    assert status == 200 and len(chat["choices"]) == 2, chat
+
+
+def test_prompt_logprobs_come_back_when_asked_back(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    status, out = http_json(f"{stack.base_url}/v1/completions", body)
+    # The frontend returns prompt logprobs only as nvext.prompt_logprobs, when the client names the field.
+    assert status == 400 and "prompt_logprobs" in out["message"], out
+    out = _complete(stack, **{**body, "nvext": {"extra_fields": ["prompt_logprobs"]}})
+    prompt = out["nvext"]["prompt_logprobs"]
+    assert len(prompt) == out["usage"]["prompt_tokens"] and prompt[0] is None
+    assert all(entry and all(v["logprob"] <= 0 for v in entry.values()) for entry in prompt[1:])
+
+
+@pytest.mark.parametrize(
+    ("option", "name"),
+    [
+        ({"best_of": 3}, "best_of"),
+        ({"n": 2, "best_of": 4}, "best_of"),
+    ],
+)
+def test_options_the_worker_cannot_honour_are_a_400_naming_them(
+    stack: Stack, option: dict[str, Any], name: str
+) -> None:
+    status, out = http_json(
+        f"{stack.base_url}/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, **option}
+    )
+    assert status == 400 and name in out["message"], out
+    assert stack.worker.popen.poll() is None
 
 
 def test_ready_only_once_the_engine_is_up(stack: Stack) -> None:

@@ -7,15 +7,18 @@ vLLM's own ``SamplingParams`` and ``RequestOutput`` types are used (real types, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dynamo.vllm import args as wargs
 from dynamo.vllm import engine as eng
-from dynamo.vllm.drain import ExitCode, InflightTracker, drain
+from dynamo.vllm.drain import ExitCode, InflightTracker, Outcome, drain
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics, read_stats
 from dynamo.vllm.registration import ROLES
 
@@ -237,13 +240,21 @@ def test_sampling_options_and_stop_conditions_reach_vllm() -> None:
     from vllm.sampling_params import RequestOutputKind
 
     req = _request(
-        sampling_options={"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 11, "n": None, "unknown": 1},
+        sampling_options={
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "seed": 11,
+            "n": None,
+            "best_of": None,
+        },
         stop_conditions={
             "max_tokens": 9,
             "min_tokens": 2,
             "ignore_eos": True,
             "stop": ["x"],
             "stop_token_ids_hidden": [7, 8],
+            "stop_token_ids_visible": [9],
         },
         output_options={"logprobs": 2},
     )
@@ -251,7 +262,7 @@ def test_sampling_options_and_stop_conditions_reach_vllm() -> None:
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 5, 11)
     assert (params.max_tokens, params.min_tokens, params.ignore_eos) == (9, 2, True)
     assert params.repetition_penalty == 1.1  # model default kept when the request says nothing
-    assert set(params.stop_token_ids or []) >= {7, 8}
+    assert set(params.stop_token_ids or []) >= {7, 8, 9}
     assert not params.stop  # stop strings are applied by the frontend on detokenized text
     assert params.logprobs == 2
     assert params.detokenize is False and params.output_kind == RequestOutputKind.DELTA
@@ -309,42 +320,165 @@ def test_router_dp_rank_maps_to_the_local_engine_rank() -> None:
     assert local_dp_rank(None, 0, 4) is None
 
 
-def _output(token_ids: list[int], finished: bool, reason: str | None = None, kv: Any = None) -> Any:
-    from vllm.outputs import CompletionOutput, RequestOutput
+def test_options_that_cannot_be_honoured_are_refused_by_name() -> None:
+    """Never dropped silently: each one is a RequestError (HTTP 400 at the frontend) that names it."""
+    from dynamo.vllm.handlers import RequestError, build_sampling_params
 
-    comp = CompletionOutput(
-        index=0, text="", token_ids=token_ids, cumulative_logprob=None, logprobs=None, finish_reason=reason
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"sampling_options": {"best_of": 3}}, "agg", "best_of"),
+        ({"sampling_options": {"use_beam_search": True}}, "agg", "use_beam_search"),
+        ({"sampling_options": {"length_penalty": 0.5}}, "agg", "length_penalty"),
+        ({"sampling_options": {"guided_decoding": {"json": {}}}}, "agg", "guided_decoding"),
+        ({"sampling_options": {"new_knob": 1}}, "agg", "new_knob"),
+        ({"stop_conditions": {"max_tokens": 4, "new_stop": 1}}, "agg", "new_stop"),
+        ({"output_options": {"new_output": 1}}, "agg", "new_output"),
+        ({"output_options": {"logprobs": -1}}, "agg", "logprobs"),
+        ({"output_options": {"prompt_logprobs": 1}}, "agg", "prompt_logprobs"),  # not asked back: dropped
+        ({"output_options": {"prompt_logprobs": 1}, **_NVEXT_PROMPT_LOGPROBS}, "decode", "prompt_logprobs"),
+        ({"sampling_options": {"n": 3}}, "decode", "n=3"),
+        ({"sampling_options": {"n": 2}}, "prefill", "n=2"),
+    ]
+    for change, mode, name in cases:
+        with pytest.raises(RequestError, match=re.escape(name)):
+            build_sampling_params(_request(**change), {}, 100, mode=mode)
+    # Neutral values are fine: best_of equal to n, beam-search settings left at their defaults.
+    params = build_sampling_params(
+        _request(sampling_options={"n": 3, "best_of": 3, "use_beam_search": False, "length_penalty": 1.0}),
+        {},
+        100,
     )
+    assert params.n == 3
+
+
+_NVEXT_PROMPT_LOGPROBS = {"extra_args": {"nvext": {"extra_fields": ["prompt_logprobs"]}}}
+
+
+def test_logprob_options_reach_vllm() -> None:
+    from dynamo.vllm.handlers import RequestHandler, build_sampling_params
+
+    params = build_sampling_params(
+        _request(output_options={"logprobs": 0, "prompt_logprobs": 2}, **_NVEXT_PROMPT_LOGPROBS), {}, 100
+    )
+    assert (params.logprobs, params.prompt_logprobs) == (0, 2)
+    assert params.skip_reading_prefix_cache is True  # cached prompt positions would have no logprobs
+    # The prefill worker's token is discarded: it computes no logprobs, the decode worker does.
+    prefill = RequestHandler(None, "prefill", InflightTracker(), 100)
+    assert prefill._params(_request(output_options={"logprobs": 2})).logprobs is None
+    decode = RequestHandler(None, "decode", InflightTracker(), 100)
+    assert decode._params(_request(output_options={"logprobs": 2})).logprobs == 2
+
+
+def _completion(index: int, token_ids: list[int], reason: str | None = None, logprobs: Any = None) -> Any:
+    from vllm.outputs import CompletionOutput
+
+    return CompletionOutput(
+        index=index,
+        text="",
+        token_ids=token_ids,
+        cumulative_logprob=None,
+        logprobs=logprobs,
+        finish_reason=reason,
+    )
+
+
+def _output(
+    token_ids: list[int],
+    finished: bool,
+    reason: str | None = None,
+    kv: Any = None,
+    outputs: list[Any] | None = None,
+    prompt_logprobs: Any = None,
+) -> Any:
+    from vllm.outputs import RequestOutput
+
     return RequestOutput(
         request_id="r",
         prompt=None,
         prompt_token_ids=[1, 2, 3],
-        prompt_logprobs=None,
-        outputs=[comp],
+        prompt_logprobs=prompt_logprobs,
+        outputs=outputs if outputs is not None else [_completion(0, token_ids, reason)],
         finished=finished,
         kv_transfer_params=kv,
         num_cached_tokens=2,
     )
 
 
-def test_output_frames() -> None:
-    from dynamo.vllm.handlers import output_frame
+def _builder(prefill: bool = False, **params: Any) -> Any:
+    from dynamo.vllm.handlers import FrameBuilder
+    from vllm import SamplingParams
 
-    assert output_frame(_output([5], False), 3, 1, prefill=False) == {"token_ids": [5]}
-    last = output_frame(_output([6, 7], True, "length"), 3, 3, prefill=False)
+    return FrameBuilder(3, prefill, SamplingParams(**params))
+
+
+def test_output_frames() -> None:
+    frames = _builder()
+    assert frames.frames(_output([5], False)) == [{"token_ids": [5]}]
+    [last] = frames.frames(_output([6, 7], True, "length"))
     assert last["token_ids"] == [6, 7] and last["finish_reason"] == "length"
     assert last["completion_usage"]["completion_tokens"] == 3
     assert last["completion_usage"]["prompt_tokens_details"]["cached_tokens"] == 2
-    assert output_frame(_output([], True, "abort"), 3, 0, prefill=False)["finish_reason"] == "cancelled"
+    assert _builder().frames(_output([], True, "abort"))[0]["finish_reason"] == "cancelled"
+
+
+def test_several_choices_are_framed_by_index() -> None:
+    """n=3: each choice streams under its own index and ends with its own finish reason."""
+    frames = _builder(n=3)
+    step = frames.frames(_output([], False, outputs=[_completion(0, [5]), _completion(2, [6])]))
+    assert [(f["index"], f["token_ids"]) for f in step] == [(0, [5]), (2, [6])]
+    assert all("finish_reason" not in f for f in step)
+    step = frames.frames(_output([], False, outputs=[_completion(1, [7, 8], "length"), _completion(0, [])]))
+    assert [(f["index"], f["token_ids"], f["finish_reason"]) for f in step] == [(1, [7, 8], "length")]
+    step = frames.frames(
+        _output([], True, outputs=[_completion(0, [9], "stop"), _completion(2, [4], "length")])
+    )
+    assert [(f["index"], f["finish_reason"]) for f in step] == [(0, "stop"), (2, "length")]
+    assert step[-1]["completion_usage"]["completion_tokens"] == 6  # every choice's tokens
+    assert frames.generated == {0: 2, 1: 2, 2: 2}
+
+
+def test_logprobs_are_framed_for_the_frontend() -> None:
+    from vllm.logprobs import Logprob
+
+    position = {
+        7: Logprob(logprob=-2.5, rank=3, decoded_token=None),  # sampled, outside the top 2
+        4: Logprob(logprob=-0.1, rank=1, decoded_token=None),
+        5: Logprob(logprob=float("-inf"), rank=2, decoded_token=None),
+    }
+    frames = _builder(logprobs=2)
+    [frame] = frames.frames(_output([], False, outputs=[_completion(0, [7], logprobs=[position])]))
+    assert frame["log_probs"] == [-2.5]
+    assert frame["top_logprobs"] == [
+        [
+            {"rank": 1, "token_id": 4, "token": None, "logprob": -0.1},
+            {"rank": 2, "token_id": 5, "token": None, "logprob": -9999.0},
+        ]
+    ]
+    # logprobs=0 (chat's logprobs without top_logprobs): the sampled token's logprob only.
+    [frame] = _builder(logprobs=0).frames(
+        _output([], False, outputs=[_completion(0, [7], logprobs=[position])])
+    )
+    assert frame["log_probs"] == [-2.5] and frame["top_logprobs"] == [[]]
+    # Not asked for: nothing added.
+    assert "log_probs" not in _builder().frames(_output([7], False))[0]
+
+
+def test_prompt_logprobs_ride_on_the_last_frame() -> None:
+    from vllm.logprobs import Logprob
+
+    prompt = [None, {2: Logprob(logprob=-1.5, rank=1, decoded_token=None)}, {3: Logprob(-0.5, 4, None)}]
+    frames = _builder(prompt_logprobs=1)
+    assert "engine_data" not in frames.frames(_output([5], False, prompt_logprobs=prompt))[0]
+    [last] = frames.frames(_output([6], True, "length"))
+    assert last["engine_data"] == {
+        "prompt_logprobs": [None, {"2": {"logprob": -1.5, "rank": 1}}, {"3": {"logprob": -0.5, "rank": 4}}]
+    }
 
 
 def test_prefill_frame_carries_disaggregated_params() -> None:
-    from dynamo.vllm.handlers import output_frame
-
     kv = {"do_remote_prefill": True, "remote_block_ids": [0]}
-    frame = output_frame(_output([9], True, "length", kv), 3, 1, prefill=True)
+    frame = _builder(prefill=True).frames(_output([9], True, "length", kv))[0]
     assert frame["disaggregated_params"] == {"kv_transfer_params": kv}
-    assert output_frame(_output([9], True, "length"), 3, 1, prefill=True)["disaggregated_params"] is None
+    assert _builder(prefill=True).frames(_output([9], True, "length"))[0]["disaggregated_params"] is None
 
 
 # ---- drain -------------------------------------------------------------------------------------
@@ -355,9 +489,10 @@ async def test_drain_unregisters_first_then_waits_for_inflight() -> None:
     events: list[str] = []
 
     async def request(rid: str, seconds: float) -> None:
-        with tracker.track(rid):
+        with tracker.track(rid) as tracked:
             await asyncio.sleep(seconds)
             events.append(f"done {rid}")
+            tracked.outcome = Outcome.COMPLETED
 
     async def unregister() -> None:
         events.append("unregistered")
@@ -371,19 +506,22 @@ async def test_drain_unregisters_first_then_waits_for_inflight() -> None:
     await task
     assert events == ["unregistered", "done a"]
     assert not tracker.accepting
-    assert report.inflight_at_start == 1 and report.aborted == 0
+    assert report.inflight_at_start == 1 and report.aborted == 0 and report.completed == 1
     assert report.exit_code == ExitCode.OK
     assert report.waited_s >= 0.2
+    assert "1 completed, aborted 0" in report.summary()
 
 
-async def test_drain_aborts_what_outlives_the_grace_period() -> None:
+async def test_drain_cuts_what_outlives_the_grace_period_and_counts_it() -> None:
     tracker = InflightTracker()
     aborted: list[str] = []
     gate = asyncio.Event()
 
     async def request(rid: str) -> None:
-        with tracker.track(rid):
+        with tracker.track(rid) as tracked:
             await gate.wait()
+            # What the handler does: a request the drain cut is handed back, not finished.
+            tracked.outcome = Outcome.HANDED_BACK if tracker.was_cut(rid) else Outcome.COMPLETED
 
     async def abort(rid: str) -> None:
         aborted.append(rid)
@@ -392,14 +530,106 @@ async def test_drain_aborts_what_outlives_the_grace_period() -> None:
     async def unregister() -> None:
         raise RuntimeError("discovery down")  # must not stop the drain
 
-    task = asyncio.create_task(request("slow"))
+    tasks = [asyncio.create_task(request(rid)) for rid in ("slow-1", "slow-2")]
     await asyncio.sleep(0.01)
     start = time.monotonic()
     report = await drain(tracker, unregister, abort, grace_s=0.2)
-    await task
-    assert aborted == ["slow"]
+    await asyncio.gather(*tasks)
+    assert aborted == ["slow-1", "slow-2"]
+    assert (report.aborted, report.handed_back, report.completed) == (2, 2, 0)
+    assert "aborted 2 (2 at the grace period" in report.summary()
     assert report.exit_code == ExitCode.DRAIN_TIMEOUT
     assert time.monotonic() - start < 2
+
+
+async def test_requests_that_fail_during_the_drain_count_as_aborted() -> None:
+    """A scale-down whose requests were cut by something else (the engine stopped under them) logged
+    "aborted 0": every request that ended without its whole answer counts, however it was cut."""
+    tracker = InflightTracker()
+
+    async def request(rid: str, seconds: float, outcome: Outcome | None) -> None:
+        with tracker.track(rid) as tracked:
+            await asyncio.sleep(seconds)
+            if outcome is not None:
+                tracked.outcome = outcome
+
+    async def nothing() -> None:
+        return None
+
+    async def abort(rid: str) -> None:
+        raise AssertionError("nothing outlives the grace period here")
+
+    tasks = [
+        asyncio.create_task(request("failed", 0.05, None)),  # an engine error: no outcome set
+        asyncio.create_task(request("done", 0.05, Outcome.COMPLETED)),
+        asyncio.create_task(request("gone", 0.05, Outcome.CANCELLED)),
+    ]
+    await asyncio.sleep(0.01)
+    report = await drain(tracker, nothing, abort, grace_s=5)
+    await asyncio.gather(*tasks)
+    assert (report.aborted, report.completed, report.cancelled, report.handed_back) == (1, 1, 1, 0)
+    assert report.exit_code == ExitCode.DRAIN_TIMEOUT
+
+
+def _write_held(path: Path, pinned: int) -> None:
+    path.write_text(json.dumps({"published": 1, "time": time.time(), "kv_pinned_requests": pinned}))
+
+
+async def test_a_prefill_drain_waits_for_the_kv_it_holds_for_decode_workers(tmp_path: Path) -> None:
+    """Upstream issue 4917: stopping a prefill engine under KV a decode worker has yet to read fails that
+    request. The drain waits (bounded) until the engine holds none, and counts what it gives up."""
+    from dynamo.vllm.drain import held_kv_reader
+
+    template = str(tmp_path / "fpm-stats-{dp_rank}.json")
+    rank0, rank1 = tmp_path / "fpm-stats-0.json", tmp_path / "fpm-stats-1.json"
+    _write_held(rank0, 2)
+    _write_held(rank1, 0)
+
+    async def nothing() -> None:
+        return None
+
+    async def abort(rid: str) -> None:
+        raise AssertionError("nothing in flight")
+
+    async def decode_reads(after_s: float) -> None:  # the publisher rewrites its file about once a second
+        await asyncio.sleep(after_s)
+        _write_held(rank1, 0)
+        _write_held(rank0, 0)
+
+    reader = held_kv_reader(template)
+    task = asyncio.create_task(decode_reads(0.4))
+    report = await drain(InflightTracker(), nothing, abort, grace_s=5, held_kv=reader)
+    await task
+    assert report.kv_given_up == 0 and 0.3 <= report.kv_waited_s < 3, report
+    assert report.exit_code == ExitCode.OK
+    assert "0 KV hand-off(s) given up" in report.summary()
+    # A decode worker that never reads: bounded by the grace period (at least one fresh figure), then counted.
+    task = asyncio.create_task(decode_reads_never(rank0, rank1))
+    start = time.monotonic()
+    report = await drain(InflightTracker(), nothing, abort, grace_s=0.5, held_kv=reader)
+    task.cancel()
+    assert report.kv_given_up == 3, report
+    assert time.monotonic() - start < 4
+    assert report.exit_code == ExitCode.DRAIN_TIMEOUT
+
+
+async def decode_reads_never(rank0: Path, rank1: Path) -> None:
+    while True:
+        _write_held(rank0, 2)
+        _write_held(rank1, 1)
+        await asyncio.sleep(0.2)
+
+
+async def test_stale_or_missing_figures_are_not_taken_for_released_kv(tmp_path: Path) -> None:
+    from dynamo.vllm.drain import held_kv_reader
+
+    reader = held_kv_reader(str(tmp_path / "fpm-stats-{dp_rank}.json"))
+    assert reader(0.0) is None  # no file yet
+    path = tmp_path / "fpm-stats-0.json"
+    path.write_text(json.dumps({"time": time.time() - 10, "kv_pinned_requests": 0}))
+    assert reader(time.time()) is None  # written before the drain began: it says nothing of now
+    path.write_text(json.dumps({"time": time.time() + 1}))
+    assert reader(time.time()) == 0  # an engine that never held any: no field
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -499,3 +729,139 @@ def test_standby_options_are_read_before_argparse(tmp_path: Path) -> None:
     control.close_gate()
     control.close_gate()  # twice is fine
     assert not control.gate_file.exists()
+
+
+# ---- registration capacity ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _EngineConfig:
+    """The parts of vLLM's config the worker reads capacity from (real vLLM sub-configs)."""
+
+    model_config: Any
+    cache_config: Any
+    scheduler_config: Any
+    parallel_config: Any
+
+
+def _engine_config(blocks: int, **parallel: Any) -> _EngineConfig:
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
+
+    cache = CacheConfig(block_size=32)
+    cache.num_gpu_blocks = blocks  # what vLLM's engine client leaves there: the sum over its engines
+    sched = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048, is_encoder_decoder=False
+    )
+    return _EngineConfig(types.SimpleNamespace(max_model_len=2048), cache, sched, ParallelConfig(**parallel))
+
+
+@pytest.mark.parametrize(
+    ("parallel", "engines"),
+    [
+        ({}, 1),
+        ({"data_parallel_size": 4}, 4),  # internal load balancing: the client manages every rank
+        ({"data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_hybrid_lb": True}, 2),
+        ({"data_parallel_size": 4, "data_parallel_rank_local": 1}, 1),  # offline: one engine per client
+    ],
+)
+def test_data_parallel_workers_register_one_engines_kv_capacity(
+    parallel: dict[str, Any], engines: int
+) -> None:
+    """vLLM sums the engines' block counts; the model card must carry one engine's (the planner multiplies)."""
+    from dynamo.vllm.registration import runtime_config
+
+    config = _engine_config(1000 * engines, **parallel)
+    assert eng.summed_engines(config.parallel_config) == engines
+    capacity = eng.engine_capacity(config, eng.summed_engines(config.parallel_config))
+    card = runtime_config(capacity)
+    assert card.total_kv_blocks == 1000
+    assert card.data_parallel_size == parallel.get("data_parallel_size", 1)
+
+
+def test_the_engine_clients_own_rank_list_wins() -> None:
+    config = _engine_config(3001, data_parallel_size=4)
+    client = types.SimpleNamespace(engine_core=types.SimpleNamespace(engine_ranks_managed=[0, 1, 2]))
+    assert eng.summed_engines(config.parallel_config, client) == 3
+    assert eng.engine_capacity(config, 3).total_kv_blocks == 1000  # floored: never more than an engine has
+
+
+# ---- engine hooks ------------------------------------------------------------------------------
+
+
+def test_engine_hooks_act_only_in_a_workers_engine_processes() -> None:
+    from dynamo.vllm import engine_hooks as hooks
+
+    assert not hooks.is_engine_process({}, 10)  # vLLM run by anything else
+    assert not hooks.is_engine_process({hooks.WORKER_PID_ENV: "10"}, 10)  # the worker itself
+    assert hooks.is_engine_process({hooks.WORKER_PID_ENV: "10"}, 11)
+
+
+def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
+    import torch
+    from dynamo.vllm import engine_hooks
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    x = torch.tensor([[0.1, 0.5, 0.3, 0.3], [1.0, -1.0, 0.0, 2.0]])
+    values = torch.tensor([[0.3], [0.0]])
+    originals = (logprobs.batched_count_greater_than, sampler.batched_count_greater_than)
+    try:
+        assert engine_hooks.eager_logprob_ranks()
+        assert sampler.batched_count_greater_than is logprobs.batched_count_greater_than
+        assert sampler.batched_count_greater_than(x, values).tolist() == [3, 3]
+    finally:
+        logprobs.batched_count_greater_than, sampler.batched_count_greater_than = originals
+
+
+_ORPHAN_SCRIPT = """
+import os, subprocess, sys, time
+from dynamo.vllm import engine_hooks
+if sys.argv[1] == "parent":
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], "child"], env={
+        **os.environ, engine_hooks.WORKER_PID_ENV: str(os.getpid())})
+    print(child.pid, flush=True)
+    time.sleep(60)
+else:
+    engine_hooks.register()  # what vLLM does in each engine process
+    time.sleep(60)
+"""
+
+
+def test_an_engine_process_ends_when_its_worker_is_killed() -> None:
+    """The plugin's parent-death tie, on real processes: SIGKILL the parent, its child is gone at once."""
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, "parent", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # the child has registered its tie (importing the module takes well under that)
+        assert Path(f"/proc/{child}").exists()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+            time.sleep(0.05)
+        assert not Path(f"/proc/{child}").exists(), "the child outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(10)
+
+
+def test_an_engine_process_whose_worker_is_already_gone_ends_at_once() -> None:
+    """The race the kernel's tie cannot cover: the worker died before the engine process set the tie."""
+    import os
+    import subprocess
+    import sys
+
+    from dynamo.vllm import engine_hooks
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    env = {**os.environ, engine_hooks.WORKER_PID_ENV: str(gone.pid)}
+    child = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT, "child"], env=env, timeout=30)
+    assert child.returncode == 1

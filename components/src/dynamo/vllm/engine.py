@@ -153,14 +153,43 @@ class EngineCapacity:
     data_parallel_start_rank: int
 
 
-def engine_capacity(vllm_config: Any) -> EngineCapacity:
-    """Per-rank figures: vLLM's num_gpu_blocks is the KV cache of one engine rank."""
+def summed_engines(parallel_config: Any, engine_client: Any = None) -> int:
+    """How many engines' KV blocks vLLM added up in ``cache_config.num_gpu_blocks``.
+
+    vLLM's engine client adds the block count each engine reports at start-up: with data parallelism the
+    figure is the sum over every engine the client manages (all ranks with internal load balancing, the local
+    ones with hybrid or external balancing, one in offline mode). The client's own list is used when it has one.
+    """
+    ranks = getattr(getattr(engine_client, "engine_core", None), "engine_ranks_managed", None)
+    if isinstance(ranks, list | tuple) and ranks:
+        return len(ranks)
+    if getattr(parallel_config, "data_parallel_rank_local", None) is not None:
+        return 1
+    size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    if getattr(parallel_config, "local_engines_only", False):
+        size = int(getattr(parallel_config, "data_parallel_size_local", size) or size)
+    return max(1, size)
+
+
+def engine_capacity(vllm_config: Any, engines: int = 1) -> EngineCapacity:
+    """Per-engine figures: vLLM's ``num_gpu_blocks`` is the sum over the ``engines`` it started
+    (:func:`summed_engines`); registering the sum as one engine's capacity overstated each engine's KV cache by
+    the data-parallel size. Unequal counts are floored (a planner must not count blocks an engine lacks)."""
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
     par = vllm_config.parallel_config
+    total = int(cache.num_gpu_blocks or 0)
+    engines = max(1, engines)
+    if total % engines:
+        log.warning(
+            "vLLM's %d KV blocks do not divide evenly over %d engines: registering %d per engine",
+            total,
+            engines,
+            total // engines,
+        )
     return EngineCapacity(
         context_length=int(vllm_config.model_config.max_model_len),
-        total_kv_blocks=int(cache.num_gpu_blocks or 0),
+        total_kv_blocks=total // engines,
         block_size=int(cache.block_size),
         max_num_seqs=int(sched.max_num_seqs),
         max_num_batched_tokens=int(sched.max_num_batched_tokens),

@@ -46,7 +46,7 @@ from dynamo.vllm.fpm_classifier import (
     unknown_statuses,
     waiting_containers,
 )
-from dynamo.vllm.fpm_env import FpmSettings, dp_rank_of
+from dynamo.vllm.fpm_env import STAT_KV_PINNED, FpmSettings, dp_rank_of
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -423,9 +423,18 @@ class FpmInstrumentation:
             self._fpm_counters["snapshots"] += 1
             self._fpm_last_publish = now
         self._fpm_last_update_start = t_start
+        extra = getattr(self._fpm_pub, "extra_stats", None)
+        if extra is not None and getattr(self, "connector", None) is not None:
+            extra[STAT_KV_PINNED] = self._fpm_kv_pinned()
         if not self.has_requests():  # type: ignore[attr-defined]
             self._fpm_go_idle(now)
         return result
+
+    def _fpm_kv_pinned(self) -> int:
+        """Finished requests whose KV blocks the connector still holds (a prefill engine's, until the decode side
+        has read them or their lease expired): what vLLM's ``has_finished_requests`` counts."""
+        num_running, num_waiting = self.get_request_counts()  # type: ignore[attr-defined]
+        return max(0, len(self.requests) - num_running - num_waiting)
 
     def shutdown(self) -> None:
         pub = getattr(self, "_fpm_pub", None)

@@ -27,9 +27,9 @@ from dynamo.common import worker_state as ws
 from dynamo.common.cli_setup import loopback_by_default, setup_logging
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
-from dynamo.vllm import registration, shm_wait
+from dynamo.vllm import engine_hooks, registration, shm_wait
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
-from dynamo.vllm.drain import ExitCode, InflightTracker, drain
+from dynamo.vllm.drain import ExitCode, InflightTracker, drain, held_kv_reader
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.fpm_env import ENV_GATE_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
@@ -130,6 +130,8 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
         control.gate_file = gate_path(stats_dir)
         fpm_env[ENV_GATE_FILE] = str(control.gate_file)
     os.environ.update(fpm_env)
+    # For the engine processes' hooks (engine_hooks): they end with this process, and act only below it.
+    os.environ[engine_hooks.WORKER_PID_ENV] = str(os.getpid())
     log.info(
         "worker %s serving %s (%s mode), FPM %s",
         worker_id,
@@ -139,6 +141,15 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     )
 
     tracker = InflightTracker()
+    # A prefill engine holds each prompt's KV blocks until a decode worker has read them: the drain waits for that.
+    held_kv = None
+    if config.disaggregation_mode == "prefill":
+        if config.fpm_enabled:
+            held_kv = held_kv_reader(fpm_env["DYN_FPM_STATS_FILE"])
+        else:
+            log.warning(
+                "FPM is off: a drain cannot see the KV blocks held for decode workers and will not wait"
+            )
     collector = WorkerCollector(
         fpm_env["DYN_FPM_STATS_FILE"] if config.fpm_enabled else None,
         lambda: tracker.count,
@@ -171,7 +182,9 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
             log.error("engine failed to start: %s", _one_line(exc))
             print(f"dynamo.vllm: error: engine failed to start: {_one_line(exc)}", file=sys.stderr)
             return ExitCode.STARTUP_FAILED
-        capacity = eng.engine_capacity(engine.vllm_config)
+        capacity = eng.engine_capacity(
+            engine.vllm_config, eng.summed_engines(engine.vllm_config.parallel_config, engine)
+        )
         model_config = engine.vllm_config.model_config
         handler = RequestHandler(
             engine,
@@ -259,15 +272,19 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
                     keepalive = None
                 control.write(ws.DRAINING)
                 report = await drain(
-                    tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
+                    tracker,
+                    lambda: registration.unregister(endpoint),
+                    engine.abort,
+                    config.drain_timeout_s,
+                    held_kv,
                 )
                 tracker.accepting = True
                 control.close_gate()
                 control.write(ws.STANDBY)
                 log.info(
-                    "parked: unregistered, %d request(s) drained, %d aborted; standing by",
+                    "parked: unregistered, %d request(s) in flight: %s; standing by",
                     report.inflight_at_start,
-                    report.aborted,
+                    report.summary(),
                 )
                 registered = False
                 promote = loop.create_task(control.promoted())
@@ -291,14 +308,18 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
                 log.info("signal received: draining (grace period %.1f s)", config.drain_timeout_s)
                 control.write(ws.DRAINING)
                 report = await drain(
-                    tracker, lambda: registration.unregister(endpoint), engine.abort, config.drain_timeout_s
+                    tracker,
+                    lambda: registration.unregister(endpoint),
+                    engine.abort,
+                    config.drain_timeout_s,
+                    held_kv,
                 )
                 log.info(
-                    "drained: unregistered in %.3f s, waited %.2f s for %d request(s), aborted %d",
+                    "drained: unregistered in %.3f s, waited %.2f s for %d request(s): %s",
                     report.unregister_s,
                     report.waited_s,
                     report.inflight_at_start,
-                    report.aborted,
+                    report.summary(),
                 )
                 code = report.exit_code
             else:

@@ -147,6 +147,8 @@ class FpmDirectPublisher:
         self.max_queue = max_queue
         self.heartbeat_interval = heartbeat_interval
         self.stats_file = stats_file
+        # Figures of the engine's own, written into the stats file beside the publisher's counters.
+        self.extra_stats: dict[str, Any] = {}
         # Heartbeats wait while this file is missing (a standby worker is not registered yet).
         self.gate_file = gate_file
         self.publisher_id = _new_publisher_id()
@@ -471,6 +473,7 @@ class FpmDirectPublisher:
         if not path:
             return
         data = asdict(self.stats())
+        data.update(self.extra_stats)
         data.update(worker_id=self.worker_id, dp_rank=self.dp_rank, subject=self.subject, time=time.time())
         tmp = f"{path}.tmp{os.getpid()}"
         try:
