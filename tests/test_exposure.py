@@ -11,25 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from dynamo.common.cli_setup import loopback_by_default
 from dynamo.common.nats_server import free_port
-from worker_support import base_env, low_free_port, start_worker, wait_until
+from worker_support import base_env, listening_addresses, low_free_port, start_worker, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 CFG = json.dumps({"use_model_cards": False, "capacity": {"context_length": 1000, "kv_tokens": 10000}})
-
-
-def _listening(pid: int, port: int) -> set[str]:
-    """Addresses the process tree of ``pid`` listens on at ``port``."""
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    out = set()
-    for p in procs:
-        for c in p.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port:
-                out.add(c.laddr.ip)
-    return out
 
 
 def _planner_binds(nats_url: str, tmp_path: Path, *extra: str, **env: str) -> set[str]:
@@ -43,7 +31,7 @@ def _planner_binds(nats_url: str, tmp_path: Path, *extra: str, **env: str) -> se
     try:
         end = time.monotonic() + 60
         while time.monotonic() < end and proc.poll() is None:
-            if found := _listening(proc.pid, port):
+            if found := listening_addresses(proc.pid, port):
                 return found
             time.sleep(0.2)
         raise AssertionError((tmp_path / "planner.log").read_text()[-2000:])
@@ -76,21 +64,23 @@ def test_loopback_by_default_keeps_a_value_given() -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("opened", [False, True], ids=["default", "DYN_SYSTEM_HOST"])
-def test_worker_ports_bind_loopback_unless_opened(tiny_model_dir: Path, tmp_path: Path, opened: bool) -> None:
+def test_worker_ports_bind_all_interfaces_when_opened(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The default (loopback) is checked on test_worker_e2e.py's worker, which starts anyway."""
     kv = tmp_path / "kv"
     kv.mkdir()
     system, metrics = low_free_port(), free_port()
-    env = base_env(kv, DYN_SYSTEM_PORT=str(system))
-    env.pop("DYN_SYSTEM_HOST", None)
-    if opened:
-        env["DYN_SYSTEM_HOST"] = "0.0.0.0"
+    env = base_env(kv, DYN_SYSTEM_PORT=str(system), DYN_SYSTEM_HOST="0.0.0.0")
     worker = start_worker(tiny_model_dir, env, tmp_path / "worker.log", "--metrics-port", str(metrics))
     try:
-        want = {"0.0.0.0"} if opened else {"127.0.0.1"}
+        want = {"0.0.0.0"}
         wait_until(
-            lambda: _listening(worker.pid, system) and _listening(worker.pid, metrics), 240, procs=[worker]
+            lambda: listening_addresses(worker.pid, system) and listening_addresses(worker.pid, metrics),
+            240,
+            procs=[worker],
         )
-        assert _listening(worker.pid, system) == want and _listening(worker.pid, metrics) == want
+        assert (
+            listening_addresses(worker.pid, system) == want
+            and listening_addresses(worker.pid, metrics) == want
+        )
     finally:
         worker.stop()

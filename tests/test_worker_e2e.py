@@ -31,6 +31,7 @@ from worker_support import (
     complete,
     http_json,
     http_text,
+    listening_addresses,
     low_free_port,
     metric,
     model_ready,
@@ -306,6 +307,13 @@ def test_ready_only_once_the_engine_is_up(stack: Stack) -> None:
     text = http_text(f"{stack.system_url}/metrics")
     labels = f'dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="dynamo",worker_id="{stack.worker_id}"'
     assert f"dynamo_worker_ready{{{labels}}} 1.0" in text  # the runtime's label names, as on its own series
+
+
+def test_ports_bind_loopback_by_default(stack: Stack) -> None:
+    """Its metrics port and the runtime's system server (DYN_SYSTEM_HOST unset): loopback only."""
+    for url in (stack.metrics_url, stack.system_url):
+        port = int(url.split(":")[2].split("/")[0])
+        assert listening_addresses(stack.worker.pid, port) == {"127.0.0.1"}, url
 
 
 def test_registration_carries_capacity_and_worker_type(stack: Stack) -> None:

@@ -58,6 +58,7 @@ def low_free_port() -> int:
 def base_env(file_kv: Path, nats_url: str | None = None, **extra: str) -> dict[str, str]:
     """Environment for a frontend or worker process: loopback, offline, file discovery in ``file_kv``."""
     env = dict(os.environ)
+    env.pop("DYN_SYSTEM_HOST", None)  # the ports' default binding (loopback) unless a test opens them
     env.update(
         {
             "HF_HUB_OFFLINE": "1",
@@ -154,6 +155,19 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def listening_addresses(pid: int, port: int) -> set[str]:
+    """Addresses the process tree of ``pid`` listens on at ``port``."""
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    out = set()
+    for p in procs:
+        for c in p.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port:
+                out.add(c.laddr.ip)
+    return out
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> tuple[int, Any]:
