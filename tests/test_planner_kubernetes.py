@@ -162,15 +162,21 @@ def _dgd_v1beta1(namespace: str = "team") -> dict[str, Any]:
 NO_ENV: dict[str, str] = {}
 
 
+async def _started(api: FakeApi, **cfg: Any) -> KubernetesConnector:
+    """A started connector on ``llm`` in ``team`` whose services serve what the DGD asks (1 + 2)."""
+    api.set_ready("prefill", 1)
+    api.set_ready("decode", 2)
+    c = KubernetesConnector(
+        KubernetesConfig(deployment="llm", k8s_namespace="team", **cfg), _client(api.url), NO_ENV
+    )
+    await c.start()
+    return c
+
+
 async def test_scales_through_the_scaling_adapters_as_the_16_operator_expects() -> None:
     """With an adapter per service, the scale subresource is patched and the DGD is never edited."""
     with FakeApi(_dgd_v1beta1(), adapters={"llm-prefill": 1, "llm-decode": 2}) as api:
-        api.set_ready("prefill", 1)
-        api.set_ready("decode", 2)
-        c = KubernetesConnector(
-            KubernetesConfig(deployment="llm", k8s_namespace="team"), _client(api.url), NO_ENV
-        )
-        await c.start()
+        c = await _started(api)
         assert c.adapters == {"prefill": "llm-prefill", "decode": "llm-decode"}
         st = await c.status()
         assert (st.prefill, st.decode, st.settled) == (1, 2, True)
@@ -195,12 +201,7 @@ async def test_scales_through_the_scaling_adapters_as_the_16_operator_expects() 
 async def test_an_adapters_target_wins_over_a_dgd_not_yet_synced() -> None:
     """The target is read from the adapter, so a write the operator has not reconciled is not asked twice."""
     with FakeApi(_dgd_v1beta1(), adapters={"llm-prefill": 1, "llm-decode": 2}) as api:
-        api.set_ready("prefill", 1)
-        api.set_ready("decode", 2)
-        c = KubernetesConnector(
-            KubernetesConfig(deployment="llm", k8s_namespace="team"), _client(api.url), NO_ENV
-        )
-        await c.start()
+        c = await _started(api)
         api.adapters["llm-decode"] = 3  # e.g. written by the previous planner; the DGD still says 2
         assert (await c.status()).decode == 3
         await c.apply(None, 3)
@@ -210,12 +211,7 @@ async def test_an_adapters_target_wins_over_a_dgd_not_yet_synced() -> None:
 
 async def test_patches_the_dgd_with_a_guarded_json_patch_where_no_adapter_exists() -> None:
     with FakeApi(_dgd_v1beta1(), adapters={"llm-decode": 2}) as api:  # prefill has none
-        api.set_ready("prefill", 1)
-        api.set_ready("decode", 2)
-        c = KubernetesConnector(
-            KubernetesConfig(deployment="llm", k8s_namespace="team"), _client(api.url), NO_ENV
-        )
-        await c.start()
+        c = await _started(api)
         assert c.adapters == {"decode": "llm-decode"}
         await c.apply(2, 2)  # decode unchanged: only prefill, through the DGD
         assert len(api.patches) == 1
