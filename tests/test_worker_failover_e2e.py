@@ -39,7 +39,10 @@ from worker_support import (
 pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
 
 MODEL = "tiny"
-LONG = 1500  # tokens: several seconds of decoding on a 2-core host, far more than the drain's grace period
+# Tokens of the request the drain cuts: about 13 s of decoding here (1,500 took 5 s on a fresh clone and the
+# test, slowed by a 2.8 s machine stall, sent SIGTERM just after it had finished). Needs the longer context.
+LONG = 4000
+MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
 
 
 @dataclass
@@ -84,6 +87,8 @@ def stack(
                 str(metrics_port),
                 "--drain-timeout",
                 "1",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
             )
             procs.append((proc, metrics_port))
         base_url = f"http://127.0.0.1:{http_port}"
