@@ -21,14 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConfigError
+from .connector_kubernetes import DGD_NAME_ENV, NAMESPACE_ENV
 
 # Upstream 1.6.1's defaults applied to an upstream config that leaves them out (SLAPlannerDefaults):
 # the GPU budget (negative disables it) and the environment (our connector).
 UPSTREAM_MAX_GPU_BUDGET = 8
 UPSTREAM_ENVIRONMENT = "kubernetes"
 # The operator injects the parent DynamoGraphDeployment's name and the pod's namespace.
-ENV_DGD_NAME = "DYN_PARENT_DGD_K8S_NAME"
-ENV_POD_NAMESPACE = "POD_NAMESPACE"
 
 Sets = list[tuple[str, Any]]
 Handler = Callable[[Any, Mapping[str, Any]], Sets]
@@ -476,7 +475,7 @@ def translate(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> 
     env = env or {}
     given = out.get("kubernetes", {})
     if out.get("connector") == "kubernetes" and isinstance(given, dict):  # else our check names it
-        for ours, var in (("deployment", ENV_DGD_NAME), ("k8s_namespace", ENV_POD_NAMESPACE)):
+        for ours, var in (("deployment", DGD_NAME_ENV), ("k8s_namespace", NAMESPACE_ENV)):
             if env.get(var) and ours not in given:
                 out["kubernetes"] = given = {**given, ours: env[var]}
                 entries.append(Entry(f"env {var}", env[var], ((f"kubernetes.{ours}", env[var]),), ""))
