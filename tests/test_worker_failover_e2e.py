@@ -141,7 +141,9 @@ def test_a_request_cut_by_the_drain_completes_on_the_other_worker(stack: Stack) 
     thread = threading.Thread(target=consume)
     thread.start()
     assert streaming.wait(60)
-    serving = wait_until(lambda: [w for w in stack.workers if w.inflight() == 1.0], 10)
+    # Which worker serves it, from its log: a scrape of a worker busy streaming could wait until the request
+    # ended (twice on fresh clones SIGTERM came 5-50 ms after the request had finished).
+    serving = wait_until(lambda: [w for w in stack.workers if "request received" in w.proc.log()], 10)
     drained, other = serving[0], next(w for w in stack.workers if w is not serving[0])
     drained.proc.signal(signal.SIGTERM)
     thread.join(300)
