@@ -19,6 +19,7 @@ from dynamo.common.fpm_subjects import (
     DEFAULT_NAMESPACE,
     PREFILL_COMPONENT,
 )
+from dynamo.vllm.fpm_env import flag
 
 INSTRUMENTED_SCHEDULER = "dynamo.vllm.instrumented_scheduler.InstrumentedScheduler"
 DISAGGREGATION_MODES = ("agg", "prefill", "decode")
@@ -103,10 +104,11 @@ def _env(name: str, default: str | None) -> str | None:
 
 
 def _env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    """An on/off variable, read by the engine process's own parser (``fpm_env.flag``); a bad value exits 2."""
+    try:
+        return flag(os.environ, name, default)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def default_event_plane() -> str:

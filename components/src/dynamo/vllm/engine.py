@@ -16,10 +16,10 @@ from typing import Any
 
 from dynamo.vllm import shm_wait
 from dynamo.vllm.args import INSTRUMENTED_SCHEDULER, WorkerConfig
+from dynamo.vllm.fpm_env import ENV_NATS, FpmSettings, stats_file_in
 
 log = logging.getLogger(__name__)
 
-STATS_FILE_NAME = "fpm-stats-{dp_rank}.json"
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
@@ -62,21 +62,19 @@ def choose_scheduler(user_scheduler: str | None, fpm_requested: bool, available:
 
 
 def fpm_environment(
-    config: WorkerConfig, worker_id: str, fpm_enabled: bool, stats_dir: str
+    config: WorkerConfig, worker_id: str, fpm_enabled: bool, stats_dir: str, gate_file: str | None = None
 ) -> dict[str, str]:
     """Environment the InstrumentedScheduler reads in the EngineCore process (one stream per dp rank)."""
-    env = {
-        "DYN_NAMESPACE": config.namespace,
-        "DYN_FPM_COMPONENT": config.component,
-        "DYN_FPM_ENDPOINT": config.endpoint,
-        "DYN_FPM_WORKER_ID": worker_id,
-        "DYN_FPM_ENABLED": "1" if fpm_enabled else "0",
-        "DYN_FPM_STATS_FILE": os.path.join(stats_dir, STATS_FILE_NAME),
-    }
-    nats = os.environ.get("NATS_SERVER")
-    if nats:
-        env["NATS_SERVER"] = nats
-    return env
+    return FpmSettings(
+        enabled=fpm_enabled,
+        namespace=config.namespace,
+        component=config.component,
+        endpoint=config.endpoint,
+        worker_id=worker_id,
+        nats_url=os.environ.get(ENV_NATS) or None,
+        stats_file=stats_file_in(stats_dir),
+        gate_file=gate_file,
+    ).worker_env()
 
 
 def make_stats_dir() -> str:

@@ -30,13 +30,20 @@ _NONE: set[str] = set()
 
 
 def summarize_scheduled(
-    output: Any, requests: Mapping[str, Any], kv_arrived: set[str], ever_preempted: set[str] = _NONE
+    output: Any,
+    requests: Mapping[str, Any],
+    kv_arrived: set[str],
+    ever_preempted: set[str] = _NONE,
+    *,
+    fast_path: bool = True,
 ) -> ScheduledRequestMetrics:
     """Scheduled metrics of one batch, computed right after ``schedule()`` built it.
 
     Pops from ``kv_arrived`` the ids it consumes (their first scheduling). ``ever_preempted`` (ids
     preempted at some point) enables the fast path: a running request that has output tokens and was
     never preempted is decoding, so an all-decode running part is summed with C-level builtins.
+    ``fast_path=False`` (a vLLM whose preemption cannot be hooked) applies the per-request rules to every
+    batch.
     """
     nst = output.num_scheduled_tokens
     spec = output.scheduled_spec_decode_tokens
@@ -65,7 +72,8 @@ def summarize_scheduled(
     cached = output.scheduled_cached_reqs
     resumed, out_tokens_list = _cached_layout(cached, requests)
     if (
-        not resumed
+        fast_path
+        and not resumed
         and 0 not in out_tokens_list
         and (not ever_preempted or ever_preempted.isdisjoint(cached.req_ids))
     ):

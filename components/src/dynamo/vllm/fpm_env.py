@@ -1,7 +1,11 @@
-"""FPM settings of the instrumented scheduler, read from the environment (the worker sets them).
+"""The environment contract between the Dynamo worker and vLLM's engine-core process.
 
-Pure parsing (``FpmSettings.from_env(mapping)``) so every default and error is testable; the scheduler
-reads ``os.environ`` in its engine-core process. See docs/scheduler.md for the full table.
+vLLM spawns its engine core (where the InstrumentedScheduler and the CPU layers run) as a child that
+inherits the worker's environment and nothing else, so environment variables are the only channel. Both
+sides use this module: the worker writes with ``FpmSettings.worker_env()``, the scheduler reads with
+``FpmSettings.from_env()``, and every switch either side reads goes through ``flag`` / ``number``, which
+are strict: a value that cannot be read raises ``ValueError`` naming the variable, so a typo never silently
+turns something off. No vLLM import here. Every variable: docs/scheduler.md, docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamo.common.fpm_subjects import DECODE_COMPONENT, DEFAULT_ENDPOINT, DEFAULT_NAMESPACE
-from dynamo.vllm.env_values import flag, number
 
 logger = logging.getLogger(__name__)
 
+# Written by the worker for each engine it starts (``FpmSettings.worker_env``).
 ENV_ENABLED = "DYN_FPM_ENABLED"
 ENV_NAMESPACE = "DYN_NAMESPACE"
 ENV_COMPONENT = "DYN_FPM_COMPONENT"
@@ -26,12 +30,16 @@ ENV_WORKER_ID = "DYN_FPM_WORKER_ID"
 ENV_NATS = "NATS_SERVER"
 ENV_STATS_FILE = "DYN_FPM_STATS_FILE"
 ENV_GATE_FILE = "DYN_FPM_GATE_FILE"
+# Tunables an operator may set; the worker passes them through untouched.
 ENV_SNAPSHOT_INTERVAL = "DYN_FPM_SNAPSHOT_INTERVAL"
 ENV_HEARTBEAT_INTERVAL = "DYN_FPM_HEARTBEAT_INTERVAL"
-# Stats-file field: finished requests whose KV blocks the engine still holds for a peer (the drain waits on it).
-STAT_KV_PINNED = "kv_pinned_requests"
 ENV_AUDIT_INTERVAL = "DYN_FPM_AUDIT_INTERVAL"
 ENV_QUEUE_ACCOUNTING = "DYN_FPM_QUEUE_ACCOUNTING"
+
+# The publisher's per-rank counter file in the worker's private stats folder, and one field of it: finished
+# requests whose KV blocks the engine still holds for a peer (a prefill worker's drain waits on it).
+STATS_FILE_NAME = "fpm-stats-{dp_rank}.json"
+STAT_KV_PINNED = "kv_pinned_requests"
 
 DEFAULT_SNAPSHOT_INTERVAL = 0.25
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
@@ -39,6 +47,38 @@ DEFAULT_AUDIT_INTERVAL = 30.0
 QUEUE_ACCOUNTING_MODES = ("auto", "incremental", "scan")
 
 SECONDS = "seconds (a number)"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """An on/off switch: 1/0, true/false, yes/no, on/off (any case); unset or empty gives ``default``."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 0/1, true/false, yes/no or on/off")
+
+
+def number(
+    env: Mapping[str, str], name: str, default: float, *, allow_zero: bool = True, what: str = "a number"
+) -> float:
+    """A number >= 0 (> 0 without ``allow_zero``); unset or empty gives ``default``.
+
+    ``what`` names the expected unit in the error."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected {what}") from None
+    if value != value or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={raw!r}: must be {'>= 0' if allow_zero else '> 0'}")
+    return value
 
 
 def fallback_worker_id() -> str:
@@ -93,6 +133,25 @@ class FpmSettings:
             queue_accounting=mode,
         )
 
+    def worker_env(self) -> dict[str, str]:
+        """The variables the worker sets for its engine: identity and wiring, never the tunables (an
+        operator's own settings of those pass through the inherited environment). ``from_env`` reads them
+        back."""
+        env = {
+            ENV_NAMESPACE: self.namespace,
+            ENV_COMPONENT: self.component,
+            ENV_ENDPOINT: self.endpoint,
+            ENV_ENABLED: "1" if self.enabled else "0",
+        }
+        optional = {
+            ENV_WORKER_ID: self.worker_id,
+            ENV_STATS_FILE: self.stats_file,
+            ENV_NATS: self.nats_url,
+            ENV_GATE_FILE: self.gate_file,
+        }
+        env.update({name: value for name, value in optional.items() if value})
+        return env
+
     def resolved_worker_id(self) -> str:
         """The configured id, or the fallback with one clear warning."""
         if self.worker_id:
@@ -112,6 +171,11 @@ class FpmSettings:
         if not self.stats_file:
             return None
         return self.stats_file.replace("{dp_rank}", str(dp_rank))
+
+
+def stats_file_in(stats_dir: str) -> str:
+    """The per-rank stats-file template inside the worker's private stats folder."""
+    return os.path.join(stats_dir, STATS_FILE_NAME)
 
 
 def dp_rank_of(vllm_config: Any) -> int:

@@ -31,7 +31,7 @@ from dynamo.vllm import engine_hooks, registration, shm_wait
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.drain import ExitCode, InflightTracker, drain, held_kv_reader
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
-from dynamo.vllm.fpm_env import ENV_GATE_FILE
+from dynamo.vllm.fpm_env import ENV_STATS_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.handlers import RequestHandler
 from dynamo.vllm.health import (
@@ -125,10 +125,10 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     worker_id = str(endpoint.connection_id())
     control.worker_id = worker_id
     stats_dir = eng.make_stats_dir()
-    fpm_env = eng.fpm_environment(config, worker_id, config.fpm_enabled, stats_dir)
     if config.standby:  # no FPM heartbeats until registered: a standby is no pool member
         control.gate_file = gate_path(stats_dir)
-        fpm_env[ENV_GATE_FILE] = str(control.gate_file)
+    gate_file = str(control.gate_file) if control.gate_file else None
+    fpm_env = eng.fpm_environment(config, worker_id, config.fpm_enabled, stats_dir, gate_file)
     os.environ.update(fpm_env)
     # For the engine processes' hooks (engine_hooks): they end with this process, and act only below it.
     os.environ[engine_hooks.WORKER_PID_ENV] = str(os.getpid())
@@ -145,13 +145,13 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     held_kv = None
     if config.disaggregation_mode == "prefill":
         if config.fpm_enabled:
-            held_kv = held_kv_reader(fpm_env["DYN_FPM_STATS_FILE"])
+            held_kv = held_kv_reader(fpm_env[ENV_STATS_FILE])
         else:
             log.warning(
                 "FPM is off: a drain cannot see the KV blocks held for decode workers and will not wait"
             )
     collector = WorkerCollector(
-        fpm_env["DYN_FPM_STATS_FILE"] if config.fpm_enabled else None,
+        fpm_env[ENV_STATS_FILE] if config.fpm_enabled else None,
         lambda: tracker.count,
         readiness,
         {

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from dynamo.vllm.env_values import flag, number
+from dynamo.vllm.fpm_env import flag, number
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _base_worker

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from dynamo.vllm.env_values import number
+from dynamo.vllm.fpm_env import number
 
 log = logging.getLogger(__name__)
 

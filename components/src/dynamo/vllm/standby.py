@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dynamo.common import worker_state as ws
-from dynamo.vllm.env_values import flag
+from dynamo.vllm.fpm_env import flag
 
 log = logging.getLogger(__name__)
 
