@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, QueuedRequestMetrics
 from dynamo.vllm.fpm_accounting import IncrementalQueue, summarize_scheduled
@@ -48,7 +48,15 @@ from dynamo.vllm.fpm_hooks import HookCheck, Role, check_hooks
 from dynamo.vllm.fpm_state import PRUNE_PREEMPTED, FpmSchedulerState
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
+
+# For the type checker the mixin is what it extends at run time: a vLLM scheduler (its super() calls and the
+# attributes it reads are checked against vLLM's). At run time it is a plain mixin, also used over stubs.
+if TYPE_CHECKING:
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +83,11 @@ def kv_pinned(sched: Any) -> int:
     return max(0, len(sched.requests) - num_running - num_waiting)
 
 
-class FpmInstrumentation:
+class FpmInstrumentation(_SchedulerBase):
     """The instrumentation, as a mixin over a vLLM scheduler class (also used over stub layouts in tests).
 
     Call ``_fpm_setup()`` at the end of ``__init__``. Until then ``_fpm`` is the class-level 'off' state,
     which keeps every hook a plain pass-through (in case the base constructor calls one).
-
-    The ``super()`` calls below carry ``type: ignore[misc]``: a mixin has no base class for the checker;
-    at run time it always sits in front of a vLLM scheduler class.
     """
 
     _fpm: FpmSchedulerState = FpmSchedulerState()
@@ -187,7 +192,7 @@ class FpmInstrumentation:
         if s.q is None:
             return s.scan(self).totals.metrics()
         ready = getattr(self, "finished_recving_kv_req_ids", _NO_IDS)
-        s.q.reconcile(self.requests, ready, s.kv_arrived)  # type: ignore[attr-defined]
+        s.q.reconcile(self.requests, ready, s.kv_arrived)
         return s.q.metrics()
 
     def fpm_scan_queued(self) -> QueuedRequestMetrics:
@@ -199,7 +204,7 @@ class FpmInstrumentation:
 
     # --------------------------------------------------------------- vLLM hooks (table: fpm_hooks)
     def add_request(self, request: Any) -> None:
-        super().add_request(request)  # type: ignore[misc]
+        super().add_request(request)
         s = self._fpm
         if s.on:
             if s.idle:
@@ -207,7 +212,7 @@ class FpmInstrumentation:
             s.touch(request.request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
-        finished = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        finished = super().finish_requests(request_ids, finished_status)
         s = self._fpm
         if s.on:
             if finished is not None:
@@ -227,29 +232,29 @@ class FpmInstrumentation:
         return finished
 
     def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
+        super()._preempt_request(request, *args, **kwargs)
         s = self._fpm
         if s.on:
             s.ever_preempted.add(request.request_id)
             s.touch(request.request_id)
 
     def _enqueue_waiting_request(self, request: Any) -> None:
-        super()._enqueue_waiting_request(request)  # type: ignore[misc]
+        super()._enqueue_waiting_request(request)
         self._fpm.touch(request.request_id)
 
     def _update_request_as_session(self, session: Any, update: Any) -> None:
-        super()._update_request_as_session(session, update)  # type: ignore[misc]
+        super()._update_request_as_session(session, update)
         self._fpm.touch(session.request_id)
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         s = self._fpm
         if not s.on:
-            return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+            return super()._handle_blocked_waiting_request(request)
         status = request.status
         remote = s.kinds.get(status) is Kind.REMOTE_KV
         rid = request.request_id
         failed = remote and rid in getattr(self, "failed_recving_kv_req_ids", _NO_IDS)
-        ok = super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+        ok = super()._handle_blocked_waiting_request(request)
         if ok or request.status is not status:
             s.touch(rid)
             if remote and not failed and request.status is not status:
@@ -257,17 +262,17 @@ class FpmInstrumentation:
         return ok
 
     def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> None:
-        super()._update_from_kv_xfer_finished(kv_connector_output)  # type: ignore[misc]
+        super()._update_from_kv_xfer_finished(kv_connector_output)
         if kv_connector_output.finished_recving:
             self._fpm.touch_all(kv_connector_output.finished_recving)
 
     def _handle_failed_recving(self, failed_req_ids: Any) -> Any:
-        result = super()._handle_failed_recving(failed_req_ids)  # type: ignore[misc]
+        result = super()._handle_failed_recving(failed_req_ids)
         self._fpm.touch_all(failed_req_ids)
         return result
 
     def _handle_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        result = super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
+        result = super()._handle_invalid_blocks(*args, **kwargs)
         s = self._fpm
         if s.on:  # rare: num_computed_tokens of parked requests changed in place
             s.rebuild = True
@@ -276,14 +281,14 @@ class FpmInstrumentation:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         s = self._fpm
         if not s.on:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            return super().schedule(*args, **kwargs)
         if s.idle:
             s.wake()
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        output = super().schedule(*args, **kwargs)
         if output.total_num_scheduled_tokens:
             summary = summarize_scheduled(
                 output,
-                self.requests,  # type: ignore[attr-defined]
+                self.requests,
                 s.kv_arrived,
                 s.ever_preempted,
                 fast_path=s.fast_path,
@@ -298,9 +303,9 @@ class FpmInstrumentation:
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         s = self._fpm
         if not s.on:
-            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+            return super().update_from_output(scheduler_output, model_runner_output)
         t_start = time.monotonic()
-        result = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        result = super().update_from_output(scheduler_output, model_runner_output)
         ever = s.ever_preempted
         if ever:
             nst = scheduler_output.num_scheduled_tokens
@@ -309,7 +314,7 @@ class FpmInstrumentation:
                 # Requests preempted after this batch was scheduled get tokens appended or stop here.
                 q.touched.update(rid for rid in nst if rid in ever)
             if len(ever) > s.prune_at:
-                ever.intersection_update(self.requests)  # type: ignore[attr-defined]
+                ever.intersection_update(self.requests)
                 s.prune_at = 2 * len(ever) + PRUNE_PREEMPTED
         pending = s.pending.pop(id(scheduler_output), None)
         now = time.monotonic()
@@ -326,7 +331,7 @@ class FpmInstrumentation:
             )
             s.counters.records += 1
             s.last_publish = now
-        elif now - s.last_publish >= s.snapshot_interval and self.requests:  # type: ignore[attr-defined]
+        elif now - s.last_publish >= s.snapshot_interval and self.requests:
             s.pub.publish(s.identity(s.queued(self, now)))
             s.counters.snapshots += 1
             s.last_publish = now
@@ -334,7 +339,7 @@ class FpmInstrumentation:
         extra = getattr(s.pub, "extra_stats", None)
         if extra is not None and getattr(self, "connector", None) is not None:
             extra[STAT_KV_PINNED] = kv_pinned(self)
-        if not self.has_requests():  # type: ignore[attr-defined]
+        if not self.has_requests():
             s.go_idle(self, now)
         return result
 
@@ -348,31 +353,32 @@ class FpmInstrumentation:
                 pub.close(timeout=1.0)
             except Exception:  # shutdown must go on
                 logger.exception("closing the FPM publisher failed")
-        super().shutdown()  # type: ignore[misc]
+        super().shutdown()
 
 
 def _accounting_mode(requested: str, hooks: HookCheck, unknown: list[str], base: type) -> str:
-    """``incremental`` or ``scan`` from the setting and the startup check (warns once when it degrades)."""
+    """``incremental`` or ``scan`` from the setting and the startup check; one warning when it degrades."""
+    if requested == "scan":
+        mode = "scan"
+    elif hooks.incremental_ok and not (requested == "auto" and unknown):
+        mode = "incremental"
+    else:
+        mode = "scan"
     if hooks.missing:
         logger.warning(
-            "vLLM's %s lacks hooked scheduler methods %s (renamed or removed in this vLLM?); lost: %s",
+            "%s lacks the hooked scheduler methods %s (renamed or removed in this vLLM?); lost: %s. "
+            "Queued metrics: %s%s",
             base.__name__,
             ", ".join(hooks.missing_names),
             "; ".join(hooks.losses()),
+            "full scan per record" if mode == "scan" else mode,
+            " (DYN_FPM_QUEUE_ACCOUNTING=incremental cannot be honoured)"
+            if requested == "incremental" and mode == "scan"
+            else "",
         )
-    if requested == "scan":
-        return "scan"
-    if hooks.incremental_ok and not (requested == "auto" and unknown):
-        return "incremental"
-    reasons = [f"missing hooks: {', '.join(hooks.lacks(Role.QUEUE))}"] if not hooks.incremental_ok else []
-    if unknown:
-        reasons.append(f"unknown statuses: {', '.join(unknown)}")
-    logger.warning(
-        "queued metrics use a full scan per record (%s%s)",
-        "; ".join(reasons),
-        "; DYN_FPM_QUEUE_ACCOUNTING=incremental cannot be honoured" if requested == "incremental" else "",
-    )
-    return "scan"
+    elif mode == "scan" and requested == "auto":
+        logger.warning("queued metrics use a full scan per record (unknown statuses: %s)", ", ".join(unknown))
+    return mode
 
 
 class InstrumentedScheduler(FpmInstrumentation, AsyncScheduler):
