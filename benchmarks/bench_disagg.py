@@ -38,7 +38,7 @@ from disagg_support import (  # noqa: E402
     prompt_ids,
     start_engines,
 )
-from dynamo.common.nats_server import free_port  # noqa: E402
+from dynamo.common.ports import free_port  # noqa: E402
 
 FIXES_OFF = {
     "DYN_NIXL_CPU_PROGRESS_DELAY_US": "0",

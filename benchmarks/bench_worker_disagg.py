@@ -36,7 +36,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port  # noqa: E402
+from dynamo.common.nats_server import EmbeddedNatsServer  # noqa: E402
+from dynamo.common.ports import free_port  # noqa: E402
 from worker_support import base_env, model_ready, start_frontend, start_worker, wait_until  # noqa: E402
 
 MODEL = "tiny"

@@ -57,3 +57,57 @@ def test_a_taken_port_is_skipped() -> None:
 def test_range_above_when_the_ephemeral_range_starts_low(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 40000))
     assert 40001 <= ports.stable_free_port() <= 65535 - ports.HEADROOM
+
+
+def test_low_free_port_is_stable_and_below_32768() -> None:
+    low, high = ports.ephemeral_range()
+    for _ in range(20):
+        port = ports.low_free_port()
+        assert port <= ports.SIGNED_16_BIT_MAX - ports.HEADROOM
+        assert not low <= port <= high + ports.HEADROOM
+
+
+def test_a_cap_with_no_room_outside_the_ephemeral_range_fails_clearly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 40000))
+    with pytest.raises(RuntimeError, match="below 32768 outside the ephemeral range 1024-40000"):
+        ports.low_free_port()
+
+
+def test_free_port_is_the_kernels_choice_and_free() -> None:
+    low, high = ports.ephemeral_range()
+    port = ports.free_port()
+    assert low <= port <= high
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_the_local_connector_gives_workers_ports_outside_the_ephemeral_range(tmp_path: Path) -> None:
+    """A worker binds its ``{port}`` only after loading its model: a kernel-chosen port could be taken by then."""
+    import asyncio
+    import time
+
+    from dynamo.planner.connector_local import LocalConnector
+
+    async def spawn_one() -> str:
+        c = LocalConnector(
+            prefill_command="python -c 'print(\"port\", {port}, flush=True)'",
+            decode_command="python -c pass",
+            log_dir=tmp_path,
+        )
+        await c.start()
+        try:
+            await c.apply(1, 0)
+            deadline = time.monotonic() + 30
+            log = tmp_path / "prefill-0.log"
+            while "port" not in (log.read_text() if log.exists() else ""):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            return log.read_text()
+        finally:
+            await c.close()
+
+    port = int(asyncio.run(spawn_one()).split("port", 1)[1].split()[0])
+    low, high = ports.ephemeral_range()
+    assert not low <= port <= high + ports.HEADROOM

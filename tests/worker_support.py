@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg_support import kv_transfer_config
+from dynamo.common.ports import low_free_port  # noqa: F401 - the tests import it from here
 from stall_meter import Deadline
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,22 +38,6 @@ ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "204
 def kv_transfer_config_json(role: str) -> str:
     """A worker's ``--kv-transfer-config``: NixlConnector with the CPU layer and :data:`E2E_KV_LEASE_S`."""
     return json.dumps(kv_transfer_config(role, lease_s=E2E_KV_LEASE_S))
-
-
-def low_free_port() -> int:
-    """A free loopback port below 32768: the 1.6.1 runtime parses DYN_SYSTEM_PORT as a signed 16-bit int."""
-    import random
-    import socket
-
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
 
 
 def base_env(file_kv: Path, nats_url: str | None = None, **extra: str) -> dict[str, str]:

@@ -468,7 +468,7 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 
 
 def _free() -> int:
-    from dynamo.common.nats_server import free_port
+    from dynamo.common.ports import free_port
 
     return free_port()
 

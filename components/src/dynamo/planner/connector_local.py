@@ -1,7 +1,8 @@
 """The ``local`` connector: starts and stops worker processes on this machine, with optional warm standbys.
 
 Each pool has a command template (e.g. ``python -m dynamo.vllm --model M --mode decode``) with
-placeholders ``{pool}``, ``{index}``, ``{port}`` (a free loopback port), ``{namespace}`` and
+placeholders ``{pool}``, ``{index}``, ``{port}`` (a free loopback port outside the kernel's ephemeral
+range: a worker binds it only after loading its model, ``dynamo.common.ports``), ``{namespace}`` and
 ``{log_dir}``. Every process runs in its own process group with its output in
 ``{log_dir}/{pool}-{index}.log`` and its state (``dynamo.common.worker_state``) in
 ``{log_dir}/{pool}-{index}.state.json``.
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import IO
 
 from dynamo.common import worker_state as ws
-from dynamo.common.nats_server import free_port
+from dynamo.common.ports import stable_free_port
 
 from . import local_state
 from .connector_base import ConnectorStatus, PoolStatus
@@ -432,7 +433,7 @@ class LocalConnector:
             self.commands[pool],
             pool=pool,
             index=index,
-            port=free_port(),
+            port=stable_free_port(),  # bound after the model loads: outside the ephemeral range
             namespace=self.namespace,
             log_dir=str(self.log_dir),
         )

@@ -20,13 +20,7 @@ import time
 from pathlib import Path
 
 from dynamo.common.cli_setup import add_version_flag
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+from dynamo.common.ports import free_port  # also imported from here by callers of the server
 
 
 def find_nats_server() -> str:
