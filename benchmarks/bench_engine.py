@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNatsServer() as nats:
-        from dynamo.vllm.engine import STATS_FILE_NAME
+        from dynamo.vllm.fpm_env import STATS_FILE_NAME
         from dynamo.vllm.fpm_metrics import read_stats
 
         stats_template = str(Path(tmp) / STATS_FILE_NAME)

@@ -120,21 +120,22 @@ def measure(
     inst.shutdown()
     p = statistics.median(times["plain"]) * 1e6
     i = statistics.median(times["instrumented"]) * 1e6
+    # (instrumented block time / plain block time) per block: both halves of a pair ran within milliseconds
+    # of each other, so their median is robust to load drifting on a shared machine; quartiles = spread.
+    per_block = [
+        sum(times["instrumented"][k : k + block]) / sum(times["plain"][k : k + block])
+        for k in range(0, len(times["plain"]), block)
+    ]
+    q1, _, q3 = statistics.quantiles(per_block, n=4)
     return {
         "queued": depth,
         "kind": "remote-kv" if remote else "waiting",
         "plain_us": round(p, 1),
         "instrumented_us": round(i, 1),
         "ratio": round(i / p, 3),
-        # Median over blocks of (instrumented block time / plain block time): robust to load drifting
-        # on a shared machine, since both halves of a pair ran within milliseconds of each other.
-        "paired_ratio": round(
-            statistics.median(
-                sum(times["instrumented"][k : k + block]) / sum(times["plain"][k : k + block])
-                for k in range(0, len(times["plain"]), block)
-            ),
-            3,
-        ),
+        "paired_ratio": round(statistics.median(per_block), 3),
+        "paired_q1": round(q1, 3),
+        "paired_q3": round(q3, 3),
         "publisher": publisher,
         "clock": "cpu" if CLOCK is time.thread_time else "wall",
         "records_published": published,
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         "--publisher",
         choices=["nats", "memory"],
         default="nats",
-        help="nats: the real FpmDirectPublisher to a local nats-server; memory: an in-memory list (no thread)",
+        help="nats: the real FpmDirectPublisher to a local nats-server; "
+        "memory: an in-memory list (no thread)",
     )
     parser.add_argument(
         "--remote", action="store_true", help="queued requests wait for remote KV instead (parked)"
@@ -181,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        print(f"{'queued':>8} {'kind':>9} {'plain us':>10} {'instr. us':>10} {'ratio':>7} {'paired':>7}")
+        print(
+            f"{'queued':>8} {'kind':>9} {'plain us':>10} {'instr. us':>10} {'ratio':>7} {'paired':>7} "
+            f"{'paired quartiles':>17}"
+        )
         for r in rows:
             print(
                 f"{r['queued']:>8} {r['kind']:>9} {r['plain_us']:>10.1f} {r['instrumented_us']:>10.1f} "
-                f"{r['ratio']:>7.3f} {r['paired_ratio']:>7.3f}"
+                f"{r['ratio']:>7.3f} {r['paired_ratio']:>7.3f} {r['paired_q1']:>8.3f}-{r['paired_q3']:.3f}"
             )
     return 0
 

@@ -84,7 +84,7 @@ def test_free_port_is_the_kernels_choice_and_free() -> None:
 
 
 def test_the_local_connector_gives_workers_ports_outside_the_ephemeral_range(tmp_path: Path) -> None:
-    """A worker binds its ``{port}`` only after loading its model: a kernel-chosen port could be taken by then."""
+    """A worker binds its ``{port}`` after loading its model: a kernel-chosen one could be taken by then."""
     import asyncio
     import time
 

@@ -120,13 +120,13 @@ class FpmInstrumentation(_SchedulerBase):
         hooks = check_hooks(base)
         if not containers or not hooks.can_publish:
             what = (
-                "none of the known waiting containers (kv_holding_waiting, waiting, skipped_waiting)"
+                "none of the known waiting containers (kv_holding_waiting, waiting, skipped_waiting); "
+                "publishing would report empty queues that are not empty"
                 if not containers
-                else f"no method {', '.join(hooks.lacks(Role.RECORD))} to hook"
+                else f"no method {', '.join(hooks.lacks(Role.RECORD))}; no record could be built"
             )
             logger.error(
-                "FORWARD-PASS METRICS DISABLED: %s exposes %s; publishing would report figures that are "
-                "not true. This vLLM version is not supported by %s.",
+                "FORWARD-PASS METRICS DISABLED: %s exposes %s. This vLLM version is not supported by %s.",
                 base.__name__,
                 what,
                 type(self).__name__,

@@ -83,7 +83,7 @@ class EmbeddedNatsServer:
         try:
             self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
-            if out is not subprocess.DEVNULL:
+            if not isinstance(out, int):  # a log file we opened, not subprocess.DEVNULL
                 out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
