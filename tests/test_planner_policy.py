@@ -542,6 +542,46 @@ def test_startup_time_is_measured_from_action_to_first_record() -> None:
     assert d.decode.signals["lead_s"] == 35.0  # the next sizing looks 35 s ahead, not 60
 
 
+def test_startup_is_timed_for_the_ask_not_for_a_replica_already_starting() -> None:
+    """A second ask while the first one's replica still starts: that replica landing 10 s later is not
+    this ask's startup (on the slow wave it read 28 s on a 60 s cold start, and sized too little ahead)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+    hot = [rec("d0", s_decode=8, s_decode_kv=int(1.5 * KV))]
+    _, state = decide(obs(0.0, [heartbeat("p0")], hot), PolicyState(), cfg)
+    assert state.decode.in_flight is not None and state.decode.in_flight.target == 2
+    state = type(state)(state.prefill, type(state.decode)(**{**_fields(state.decode), "startup_probe": None}))
+    # 50 s later, load has grown: a new ask on top of the replica still starting.
+    hotter = [rec("d0", s_decode=8, s_decode_kv=int(3.0 * KV))]
+    d, state = decide(obs(50.0, [heartbeat("p0")], hotter, decode_replicas=2), state, cfg)
+    assert d.decode.action == "scale_up", d.decode.reason
+    assert state.decode.startup_probe == (50.0, 2)  # counted from running + starting, not from 1
+    # The first ask's replica lands at 60 s: not this ask's.
+    two = [*hotter, rec("d1", s_decode=1, s_decode_kv=100)]
+    _, state = decide(obs(60.0, [heartbeat("p0")], two, decode_replicas=d.decode.desired), state, cfg)
+    assert state.decode.startup_s is None and state.decode.startup_probe == (50.0, 2)
+    # This ask's first replica lands at 110 s: 60 s.
+    three = [*two, rec("d2", s_decode=1, s_decode_kv=100)]
+    _, state = decide(obs(110.0, [heartbeat("p0")], three, decode_replicas=d.decode.desired), state, cfg)
+    assert state.decode.startup_s == 60.0
+
+
+def test_a_steady_rise_under_the_down_threshold_holds_the_scale_down() -> None:
+    """A wave's upswing from its trough: the load is low and the straight-line projection still fits
+    fewer replicas, but it rises consistently: no replica is released (slow wave: 80.7% -> 90%)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=20.0, trend_window_s=40.0)
+    state = PolicyState()
+    actions = []
+    for i, t in enumerate(range(0, 45, 5)):
+        per = 0.02 + 0.01 * i  # 0.02 -> 0.09 of each of 6 engines: a projection well under 6 replicas
+        decode = [rec(f"d{k}", s_decode=1, s_decode_kv=int(per * KV)) for k in range(6)]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode, decode_replicas=6), state, cfg)
+        actions.append(d.decode.action)
+    assert d.decode.sizing is not None and d.decode.sizing.needed is not None
+    assert d.decode.sizing.needed < 6
+    assert "scale_down" not in actions, actions
+    assert "rising steadily" in d.decode.reason, d.decode.reason
+
+
 def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:
     cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=10.0, trend_window_s=60.0)
     state = PolicyState()
