@@ -163,7 +163,7 @@ class PlannerConfig:
     # A trend this consistent (r squared of its line) may trigger a scale-up ahead of today's demand.
     trend_min_r2: float = 0.7
     # The projected growth is at most this many times today's demand.
-    projection_cap: float = 1.5
+    projection_cap: float = 2.0
     # Startup assumed until measured (seconds from a scale-up to the new replica's first record).
     expected_startup_s: float = 60.0
     # Decode: an engine's queue counts towards demand up to this many times what it holds.
