@@ -51,7 +51,6 @@ from dynamo.common.fpm_subjects import (
     DEFAULT_ENDPOINT,
     FPM_TOPIC,
     EventEnvelope,
-    encode_envelope,
     fpm_subject,
 )
 from dynamo.common.nats_options import (
@@ -174,9 +173,7 @@ class FpmDirectPublisher:
         self._heartbeats = 0
         self._reconnects = 0
         self._connected = False
-        self._transport = TransportState(
-            logger, f"FPM publisher {worker_id}/{dp_rank}", redact_url(self.nats_url)
-        )
+        self._transport = TransportState(logger, f"FPM publisher {worker_id}/{dp_rank}", self._peer())
         self._last_error: str | None = None
         self._warn = RateLimitedWarning(logger, f"FPM publisher {worker_id}/{dp_rank} dropped a record")
         self._closing = False
@@ -282,7 +279,7 @@ class FpmDirectPublisher:
                 self._connected = False
 
     async def _main(self) -> None:
-        conn = _Connection(self)
+        conn = self._new_connection()
         conn_task = asyncio.ensure_future(conn.run())
         next_stats = 0.0
         last_sent = last_record = last_io = time.monotonic()
@@ -353,6 +350,14 @@ class FpmDirectPublisher:
             if self.stats_file:
                 self._write_stats_file()
 
+    def _new_connection(self) -> Any:
+        """The transport's connection keeper (``run``, ``nc``, ``flush_and_close``): NATS here."""
+        return _Connection(self)
+
+    def _peer(self) -> str:
+        """The transport's address as it appears in log lines."""
+        return redact_url(self.nats_url)
+
     def _park(self, timeout: float) -> None:
         """Block the sender until ``publish()`` unparks it or ``timeout`` passes."""
         if timeout <= 0:
@@ -371,7 +376,7 @@ class FpmDirectPublisher:
             self._wake.release()
 
     async def _drain(self, nc: Any) -> None:
-        """Publish up to BATCH_MAX queued records as one buffer: one write, one flush.
+        """Publish up to BATCH_MAX queued records as one batch (``_send_batch``: one write on NATS).
 
         Per record this is a struct replace, two msgspec encodes and one bytes format: about 2 µs,
         so a sender that gets the GIL only between a flooding caller's switch intervals still
@@ -381,29 +386,43 @@ class FpmDirectPublisher:
         popleft = q.popleft
         replace = msgspec.structs.replace
         encode = _record_encoder.encode
+        self._overflow = self._overflow_now()
+        counter = self._taken + self._overflow + self._heartbeat_ids  # id of the next record popped
+        n = min(len(q), BATCH_MAX)
+        self._taken += n  # before popping: a concurrent stats() may undercount drops, never invent one
+        lost = 0
+        payloads: list[bytes] = []
+        add = payloads.append
+        for _ in range(n):
+            record = popleft()
+            try:
+                add(encode(replace(record, counter_id=counter)))
+            except Exception as exc:
+                lost += 1
+                self._last_error = f"unencodable record: {exc!r}"[:300]
+                self._warn.warn("unencodable record")
+            counter += 1
+        self._lost += lost
+        if not payloads:
+            return
+        delivered = await self._send_batch(nc, payloads)
+        self._published += delivered
+        self._lost += len(payloads) - delivered  # counters keep advancing: consumers see the gap
+
+    async def _send_batch(self, nc: Any, payloads: list[bytes]) -> int:
+        """Send encoded records (sequence numbers from ``self._sequence``); returns how many went out.
+
+        NATS: every envelope and its PUB line built into one buffer, written at once (all or none).
+        """
         encode_env = _envelope_encoder.encode
         head = self._pub_head
         sizes = _SIZE_SUFFIX
         pid = self.publisher_id
         now_ms = time.time_ns() // 1_000_000
         seq = self._sequence
-        self._overflow = self._overflow_now()
-        counter = self._taken + self._overflow + self._heartbeat_ids  # id of the next record popped
-        n = min(len(q), BATCH_MAX)
-        self._taken += n  # before popping: a concurrent stats() may undercount drops, never invent one
-        lost = 0
         frames: list[bytes] = []
         frame = frames.append
-        for _ in range(n):
-            record = popleft()
-            try:
-                payload = encode(replace(record, counter_id=counter))
-            except Exception as exc:
-                lost += 1
-                counter += 1
-                self._last_error = f"unencodable record: {exc!r}"[:300]
-                self._warn.warn("unencodable record")
-                continue
+        for payload in payloads:
             env = encode_env(EventEnvelope(pid, seq, now_ms, FPM_TOPIC, payload))
             n = len(env)
             frame(head)
@@ -411,16 +430,10 @@ class FpmDirectPublisher:
             frame(env)
             frame(b"\r\n")
             seq += 1
-            counter += 1
-        self._lost += lost
-        if not frames:
-            return
-        sent = seq - self._sequence
-        if await self._write(nc, frames):
-            self._sequence = seq
-            self._published += sent
-        else:
-            self._lost += sent  # counters keep advancing: consumers see the gap
+        if not await self._write(nc, frames):
+            return 0
+        self._sequence = seq
+        return len(payloads)
 
     async def _write(self, nc: Any, frames: list[bytes]) -> bool:
         """Write pre-built PUB frames (4 parts per message) in one go.
@@ -454,17 +467,11 @@ class FpmDirectPublisher:
         try:
             counter = self._taken + self._overflow_now() + self._heartbeat_ids
             payload = _record_encoder.encode(msgspec.structs.replace(record, counter_id=counter))
-            env = encode_envelope(
-                EventEnvelope(
-                    self.publisher_id, self._sequence, time.time_ns() // 1_000_000, FPM_TOPIC, payload
-                )
-            )
         except Exception as exc:
             self._last_error = f"heartbeat failed: {exc!r}"[:300]
             return
-        if not await self._write(nc, [self._pub_head, b"%d\r\n" % len(env), env, b"\r\n"]):
+        if not await self._send_batch(nc, [payload]):
             return
-        self._sequence += 1
         self._heartbeat_ids += 1
         self._heartbeats += 1
 
