@@ -11,10 +11,13 @@ was published field for field. Our worker's own row on ZMQ, with real vLLM, is i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -186,6 +189,117 @@ async def test_matrix(kind: str, plane_env: tuple[str, dict[str, str], str | Non
         assert st.invalid_reasons.get("dp_rank out of range 0..4095", 0) >= 1, st
         assert all(r.dp_rank != BAD_DP_RANK for r in ours)
         assert any(r.dp_rank == BAD_DP_RANK for r in theirs.records)  # the runtime does not filter
+
+
+@pytest.mark.parametrize("plane_env", ["nats", "zmq"], indirect=True)
+async def test_our_planner_reads_the_plane(plane_env: tuple[str, dict[str, str], str | None]) -> None:
+    """``python -m dynamo.planner run --event-plane PLANE`` counts the peer's engine as a decode worker."""
+    plane, env, _ = plane_env
+    ns = f"planes-planner-{plane}"
+    peer = Peer("ours", plane, ns, "planned-worker", env)
+    cfg = {"use_model_cards": False, "capacity": {"context_length": 100_000, "kv_tokens": 100_000}}
+    planner = subprocess.Popen(
+        [sys.executable, "-m", "dynamo.planner", "run", "--namespace", ns, "--dry-run", "--interval", "0.5",
+         "--max-ticks", "12", "--json", "--no-tui", "--event-plane", plane, "--config", json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert await asyncio.to_thread(peer.ready)
+        out, err = await asyncio.to_thread(planner.communicate, timeout=PEER_TIMEOUT_S)
+    finally:
+        if planner.poll() is None:
+            planner.kill()
+            planner.wait()
+        await asyncio.to_thread(peer.stop)
+    assert planner.returncode == 0, err[-2000:]
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    decode = [r for r in rows if r["pool"] == "decode"]
+    assert any(r["signals"].get("workers") == 1 for r in decode), decode[-3:]
+    assert all(r["signals"].get("workers", 0) <= 1 for r in rows)  # the out-of-bounds record is no worker
+
+
+def test_zmq_frames_are_upstreams(upstream_dir: Path) -> None:
+    """``[b"", sequence (8 bytes big-endian), record]`` per message, as upstream's scheduler sends and the
+    runtime's relay requires (exactly three frames); the record decodes with upstream's schema module."""
+    import zmq
+    from dynamo.common.event_plane import zmq_fpm_endpoint
+    from dynamo.common.fpm_zmq_publisher import FpmZmqPublisher
+    from dynamo.common.ports import stable_free_port
+    from test_runtime_interop import upstream_schema
+
+    address = zmq_fpm_endpoint(stable_free_port())
+    pub = FpmZmqPublisher(zmq_endpoint=address, namespace="z", component="backend", worker_id="w")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(address)
+    try:
+        frames: list[list[bytes]] = []
+        for seed in range(1, 200):  # until the subscription has reached the publisher (slow joiner)
+            pub.publish(full_record("w", seed=seed))
+            with contextlib.suppress(zmq.Again):
+                frames.append(sub.recv_multipart(flags=zmq.NOBLOCK if not frames else 0))
+            if len(frames) >= 3:
+                break
+            time.sleep(0.01)
+        assert len(frames) >= 3
+        assert pub.stats().connected and pub.stats().last_error is None
+    finally:
+        pub.close()
+        sub.close(linger=0)
+        ctx.term()
+    upstream = upstream_schema(upstream_dir)
+    sequences = []
+    for topic, seq, payload in frames:
+        assert topic == b"" and len(seq) == 8
+        sequences.append(int.from_bytes(seq, "big"))
+        record = decode(payload)
+        assert record == msgspec.structs.replace(
+            full_record("w", seed=seed_of(record)), counter_id=record.counter_id
+        )
+        theirs = upstream.decode(payload)
+        assert (theirs.worker_id, theirs.counter_id, theirs.wall_time) == (
+            "w",
+            record.counter_id,
+            record.wall_time,
+        )
+    assert sequences == list(range(sequences[0], sequences[0] + len(sequences)))
+
+
+def test_zmq_port_taken_is_retried_never_raised() -> None:
+    """A port another process holds: the publisher says so in ``last_error`` and binds once it is free."""
+    import socket
+
+    from dynamo.common.event_plane import zmq_fpm_endpoint
+    from dynamo.common.fpm_zmq_publisher import FpmZmqPublisher
+    from dynamo.common.ports import stable_free_port
+
+    port = stable_free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    pub = FpmZmqPublisher(
+        zmq_endpoint=zmq_fpm_endpoint(port), namespace="z", component="backend", worker_id="w"
+    )
+    try:
+        pub.publish(full_record("w"))  # queued meanwhile
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not pub.stats().last_error:
+            time.sleep(0.02)
+        st = pub.stats()
+        assert not st.connected and "bind" in (st.last_error or "") and st.queued == 1
+        holder.close()
+        while time.monotonic() < deadline + 10 and not pub.stats().connected:
+            time.sleep(0.02)
+        assert pub.stats().connected
+    finally:
+        holder.close()
+        pub.close()
 
 
 def test_plane_rule() -> None:
