@@ -5,7 +5,7 @@ planner and the watch CLI read), the runtime's ``FpmEventSubscriber``} x {nats, 
 in its own process (``tests/fpm_plane_peer.py``); both subscribers run here at once, on a runtime of
 their own (file discovery shared with the peer through ``DYN_FILE_KV``), and every record must equal what
 was published field for field. Our worker's own row on ZMQ, with real vLLM, is in
-``test_worker_e2e.py::test_worker_publishes_on_the_zmq_plane``.
+``test_worker_zmq_e2e.py::test_worker_publishes_on_the_zmq_plane``.
 """
 
 from __future__ import annotations
