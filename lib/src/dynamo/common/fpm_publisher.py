@@ -53,6 +53,7 @@ from dynamo.common.fpm_subjects import (
     EventEnvelope,
     fpm_subject,
 )
+from dynamo.common.nats_fast_path import FrameWriter
 from dynamo.common.nats_options import (
     nats_connect_options_from_env,
     nats_servers,
@@ -152,11 +153,12 @@ class FpmDirectPublisher:
         self.gate_file = gate_file
         self.publisher_id = _new_publisher_id()
         self._pub_head = f"PUB {self.subject} ".encode()
-        self._raw_frames = True  # set per connection: does this nats-py have the internals we use?
-        self._direct = False  # set per connection: a plain TCP transport we may write to directly
+        self._writer: FrameWriter | None = None  # set per connection (nats_fast_path)
+        self._direct = False  # set per connection: no flusher task to yield to after a write
         # Hot path state: publish() touches only the queue, the arrival counter and the park flag.
         self._q: collections.deque[Any] = collections.deque(maxlen=max_queue)
-        self._arrivals = itertools.count()  # next() once per publish(), after the append
+        self._arrivals = itertools.count(1)  # next() once per publish(), after the append ...
+        self._arrived_n = 0  # ... whose value publish() stores here: the records handed over so far
         self._idle_record: ForwardPassMetrics | None = ForwardPassMetrics(
             worker_id=worker_id, dp_rank=dp_rank, wall_time=0.0
         )
@@ -191,7 +193,7 @@ class FpmDirectPublisher:
     def publish(self, record: ForwardPassMetrics) -> None:
         """Hand a record over; never raises, never blocks (drop-oldest when the queue is full)."""
         self._q.append(record)
-        next(self._arrivals)
+        self._arrived_n = next(self._arrivals)
         if self._parked:  # only the first record after an idle spell wakes the sender
             self._unpark()
 
@@ -244,11 +246,13 @@ class FpmDirectPublisher:
 
     # ----------------------------------------------------------------- sender thread
     def _arrived(self) -> int:
-        """How many records publish() has handed over (the counter's value, read without a step)."""
-        try:
-            return int(repr(self._arrivals)[6:-1])  # "count(N)"
-        except ValueError:  # an interpreter with another repr: drops then show only as queue gaps
-            return self._taken + self._overflow + len(self._q)
+        """How many records publish() has handed over.
+
+        ``next()`` on the counter is atomic under the GIL and its value is stored after the append, so the
+        figure never runs ahead of the queue. With several threads calling ``publish()`` an older value may
+        be stored after a newer one: the figure can then only be low (drops undercounted, never invented).
+        """
+        return self._arrived_n
 
     def _overflow_now(self) -> int:
         """Drops by the full queue so far. Read in this order, a publish() in flight can only make
@@ -436,25 +440,12 @@ class FpmDirectPublisher:
         return len(payloads)
 
     async def _write(self, nc: Any, frames: list[bytes]) -> bool:
-        """Write pre-built PUB frames (4 parts per message) in one go.
-
-        On a plain TCP connection they go straight to the socket (saving an event-loop turn through
-        nats-py's flusher task; ``drain()`` waits only when the socket buffer is full); otherwise they
-        are appended to nats-py's pending buffer with one flush kick.
-        """
+        """Write pre-built PUB frames (4 parts per message) in one go (``nats_fast_path``)."""
+        writer = self._writer
         try:
-            if not nc.is_connected:
-                raise ConnectionError("not connected")
-            if self._direct:
-                transport = nc._transport
-                transport.write(b"".join(frames))
-                await transport.drain()
-            elif self._raw_frames:
-                await nc._send_command(b"".join(frames))
-                await nc._flush_pending()
-            else:  # a nats-py without the internals we use: publish one by one
-                for env in frames[2::4]:
-                    await nc.publish(self.subject, env)
+            if writer is None or writer.nc is not nc:
+                writer = self._writer = FrameWriter(nc, self.subject)
+            await writer.write(frames)
         except Exception as exc:  # connection lost: these records are gone (counted by the caller)
             self._last_error = f"publish failed: {exc!r}"[:300]
             return False
@@ -551,10 +542,8 @@ class _Connection:
                 backoff = min(BACKOFF_MAX, backoff * 2)
                 continue
             self.nc = nc
-            owner._raw_frames = callable(getattr(nc, "_send_command", None)) and callable(
-                getattr(nc, "_flush_pending", None)
-            )
-            owner._direct = type(getattr(nc, "_transport", None)).__name__ == "TcpTransport"
+            owner._writer = FrameWriter(nc, owner.subject)
+            owner._direct = not owner._writer.needs_flusher_turn
             owner._connected = True
             dropped = owner.stats().dropped - self._dropped_at_loss
             owner._transport.up(f"{dropped} records dropped meanwhile" if dropped else "no record dropped")
