@@ -1,19 +1,19 @@
 """Direct NATS publisher for FPM records, made for the vLLM scheduler thread.
 
-``publish()`` is a ``deque.append`` plus one flag test: no syscall, no lock, never a GIL release,
-never a wait on the network. A wake-up that releases the GIL (a pipe write, ``queue.Queue.put``'s
-notify, a Rust call with ``allow_threads``) can cost the caller a whole 5 ms switch interval when a
-busy thread runs beside it, so the hand-off avoids it:
+``publish()`` is a ``deque.append``, one stored counter and one flag test: no lock, never a GIL
+release, never a wait on the network. A wake-up that releases the GIL (a pipe write,
+``queue.Queue.put``'s notify, a Rust call with ``allow_threads``) can cost the caller a whole 5 ms switch
+interval when a busy thread runs beside it, so the hand-off avoids it:
 
-* while records flow, a background thread (owning an asyncio loop on a ``select`` selector, which
-  honours sub-millisecond timeouts, and the nats-py connection) *polls* the queue every 0.15 ms
-  and drains it in one batch: every record is encoded into one buffer written to the socket at once.
-  Polls are plain sleeps (with 1 µs timer slack), with an event-loop turn (nats-py's reads, PINGs)
-  at least every 5 ms. 2 ms after the last record the poll period doubles up to 2 ms, so an
-  engine stepping every few milliseconds never has to wake the sender;
-* after 1 s without records it *parks* on a lock (GIL released, no CPU); only the first
-  ``publish()`` after such an idle spell wakes it, with ``Lock.release()``, which does not release
-  the caller's GIL either.
+* a background thread (owning an asyncio loop on a ``select`` selector and the nats-py connection)
+  drains the queue in one batch whenever it runs: every record is encoded into one buffer written to
+  the socket at once (``nats_fast_path``);
+* between batches it *parks* on a lock (GIL released, no CPU); a ``publish()`` that finds it parked
+  wakes it with ``Lock.release()``, which does not release the caller's GIL (a futex wake, and only
+  when the sender is parked: in a flood it is busy and the calls cost nothing more). While records
+  flow the park ends at least every 5 ms for an event-loop turn (nats-py's reads, PINGs); idle, every
+  0.1 s. This replaced a 0.15 ms poll, whose average 75 µs wait made our publish-to-receive latency
+  1.2-1.4x the runtime's at the median (docs/fpm-core.md has the figures).
 
 Overflow policy: the queue keeps the newest ``max_queue`` records and drops the oldest. The sender
 counts the drops from the arrival counter (arrivals = sent + dropped + queued) and leaves matching
@@ -65,17 +65,14 @@ from dynamo.common.transport_state import TransportState
 
 logger = logging.getLogger(__name__)
 
-# Sender timing (seconds). Fast polls while records flow keep publish-to-receive latency well under
-# a millisecond; the back-off keeps an idle engine's sender near zero CPU.
-POLL_ACTIVE = 0.00015  # while records flow (within ACTIVE_LINGER of the last one)
-ACTIVE_LINGER = 0.002
-POLL_WARM_MAX = 0.002  # then the poll period doubles up to this
-PARK_AFTER = 1.0  # after this long without records the sender parks until publish() wakes it
-PARK_MAX = 0.1  # longest the sender blocks its event loop while parked
+# Sender timing (seconds). Between batches the sender parks until publish() wakes it or a timer is due.
+POLL_ACTIVE = 0.00015  # while closing (draining the queue before the deadline)
+PARK_AFTER = 1.0  # after this long without records the parks last up to PARK_MAX ...
+PARK_MAX = 0.1  # ... the longest the sender leaves its event loop (nats-py's I/O) unattended when idle
 POLL_IDLE = 0.01  # while NATS is down
-LOOP_EVERY = 0.005  # polls between event-loop turns are plain sleeps; a loop turn at least this often
+LOOP_EVERY = 0.005  # while records flow: an event-loop turn at least this often
 BATCH_MAX = 8192  # one turn can send a whole default-size queue
-BACKLOG = 64  # this many queued after a drain: skip the poll sleep
+BACKLOG = 64  # this many queued after a drain: drain again at once, no park
 STATS_FILE_INTERVAL = 1.0
 CONNECT_TIMEOUT = 2
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
@@ -287,7 +284,6 @@ class FpmDirectPublisher:
         conn_task = asyncio.ensure_future(conn.run())
         next_stats = 0.0
         last_sent = last_record = last_io = time.monotonic()
-        poll = POLL_ACTIVE
         try:
             while True:
                 now = time.monotonic()
@@ -321,24 +317,18 @@ class FpmDirectPublisher:
                 if nc is None or self._closing:
                     await asyncio.sleep(POLL_ACTIVE if self._closing else POLL_IDLE)
                     continue
-                if quiet < PARK_AFTER:
-                    # Records flowed recently: poll (no wake-up ever costs the caller anything).
-                    poll = POLL_ACTIVE if quiet < ACTIVE_LINGER else min(POLL_WARM_MAX, poll * 2)
-                    if now - last_io < LOOP_EVERY:
-                        time.sleep(poll)  # a lean poll: half the CPU of an event-loop turn
-                    else:
-                        await asyncio.sleep(poll)  # let nats-py read and write (PINGs, errors)
-                        last_io = now
-                    continue
-                # Idle for a while: park this thread (GIL released, no CPU) until publish() wakes it
-                # or the next timer (heartbeat, stats file, PARK_MAX for nats-py's own I/O) is due.
-                due = PARK_MAX
+                # Park this thread (GIL released, no CPU) until publish() wakes it or the next timer is
+                # due: heartbeat, stats file, and nats-py's own I/O (PINGs, errors): at least every
+                # LOOP_EVERY while records flow, every PARK_MAX when idle.
+                due = LOOP_EVERY - (now - last_io) if quiet < PARK_AFTER else PARK_MAX
                 if self._idle_record is not None:
                     due = min(due, last_sent + self.heartbeat_interval - now)
                 if self.stats_file:
                     due = min(due, next_stats - now)
                 self._park(due)
-                await asyncio.sleep(0)  # socket events that arrived while parked
+                if time.monotonic() - last_io >= LOOP_EVERY or quiet >= PARK_AFTER:
+                    await asyncio.sleep(0)  # socket events that arrived while parked
+                    last_io = time.monotonic()
             await conn.flush_and_close(max(0.05, self._close_deadline - time.monotonic()))
         finally:
             conn_task.cancel()
