@@ -1,5 +1,6 @@
 """End to end on the ZMQ event plane: our worker's records reach our tracker, the runtime's subscriber
-and the watch CLI, field for field (the "our worker" row of tests/test_fpm_planes.py's matrix).
+and the watch CLI, field for field, and the runtime's tracking mode (what upstream's planner reads) lists the
+worker (the "our worker" row of tests/test_fpm_planes.py's matrix).
 
 `python -m dynamo.frontend` + `python -m dynamo.vllm` on the tiny model with ``DYN_EVENT_PLANE=zmq`` and no
 NATS server at all: the engine process binds its loopback PUB on a port the worker chose, the worker's
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dynamo.common.forward_pass_metrics import ForwardPassMetrics
+from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode
 from dynamo.common.fpm_tracker import FpmTracker, record_to_dict
 from dynamo.common.nats_server import free_port
 from test_fpm_planes import RuntimeReceiver
@@ -76,6 +77,11 @@ async def test_worker_publishes_on_the_zmq_plane(
     tracker.add_listener(lambda w, subject: ours.append(w.record))
     await tracker.start()
     theirs = RuntimeReceiver(runtime, "dynamo")
+    from dynamo.llm import FpmEventSubscriber
+
+    # What upstream 1.6.1's planner reads: tracking mode, only workers whose model card discovery lists.
+    tracking = FpmEventSubscriber(runtime.endpoint("dynamo.backend.generate"))
+    tracking.start_tracking()
     watch = subprocess.Popen(
         [sys.executable, "-m", "dynamo.common.recv_forward_pass_metrics", "--namespace", "dynamo",
          "--component", "backend", "--event-plane", "zmq", "--json"],
@@ -98,8 +104,11 @@ async def test_worker_publishes_on_the_zmq_plane(
             return {r.counter_id for r in records if r.wall_time > 0}
 
         await until(lambda: timed(ours) & timed(theirs.records), "the same timing record in both", 30)
+        await until(lambda: (worker_id, 0) in tracking.get_recent_stats(), "the worker in tracking mode", 30)
+        tracked = decode(tracking.get_recent_stats()[(worker_id, 0)])
         await asyncio.sleep(1.5)  # at least one idle heartbeat after the request, for the watch CLI too
     finally:
+        tracking.shutdown()
         theirs.stop()
         await tracker.stop()
         runtime.shutdown()
@@ -113,6 +122,8 @@ async def test_worker_publishes_on_the_zmq_plane(
         assert r == by_counter[r.counter_id]  # field for field, extensions included
     assert any(r.scheduled_requests.num_prefill_requests == 1 for r in both if r.wall_time > 0)
     assert tracker.stats().rejected() == 0
+    assert tracked is not None and tracked.worker_id == worker_id
+    assert list(tracking.get_recent_stats()) == [(worker_id, 0)]
     lines = [json.loads(line) for line in watched.splitlines() if line.startswith("{")]
     mine = {d["counter_id"]: d for d in lines if d["worker_id"] == worker_id}
     assert mine, (watched[-2000:], watch_err[-2000:])

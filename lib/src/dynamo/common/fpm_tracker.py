@@ -1,8 +1,11 @@
 """FPM subscriber: the latest record per engine of one namespace, with gaps, restarts and staleness.
 
-What the planner and the watch CLI read. ``handle_message`` is the pure part (no I/O, testable
-without NATS); ``start``/``stop`` wrap it in a nats-py subscription on
-``namespace.{ns}.component.{c|*}.endpoint.{e|*}.forward-pass-metrics`` that reconnects forever.
+What the planner and the watch CLI read, on either event plane. ``handle_message`` (a NATS message:
+subject and envelope) and ``handle_record`` (a bare record, as the runtime's subscriber hands it over on
+ZMQ) are the pure part (no I/O, testable without NATS), with one validation and rejection accounting;
+``start``/``stop`` wrap them in a nats-py subscription on
+``namespace.{ns}.component.{c|*}.endpoint.{e|*}.forward-pass-metrics`` that reconnects forever, or on
+ZMQ in the runtime's ``FpmEventSubscriber`` per component (``fpm_runtime_source``).
 
 Per engine key (component, endpoint, worker_id, dp_rank) it keeps the latest record, its receive
 time and the latest *timing* record (``wall_time > 0``; heartbeats and queue snapshots are not
