@@ -312,6 +312,25 @@ def test_plane_rule() -> None:
         resolve_event_plane(None, {"DYN_EVENT_PLANE": "kafka"})
 
 
+def test_worker_engine_port_contract() -> None:
+    """The worker picks the engine's PUB port only on ZMQ (the user's first), and the scheduler's settings
+    read it: set = publish for the relay, unset = NATS."""
+    from dynamo.common.ports import ephemeral_range
+    from dynamo.vllm.fpm_env import FpmSettings
+    from dynamo.vllm.fpm_relay import fpm_zmq_port
+
+    assert fpm_zmq_port("nats", True, {"DYN_FORWARDPASS_METRIC_PORT": "23456"}) is None
+    assert fpm_zmq_port("zmq", False, {}) is None
+    assert fpm_zmq_port("zmq", True, {"DYN_FORWARDPASS_METRIC_PORT": "23456"}) == 23456
+    picked = {fpm_zmq_port("zmq", True, {}) for _ in range(5)}
+    low, high = ephemeral_range()
+    assert all(p is not None and not low <= p <= high for p in picked) and len(picked) > 1
+    with pytest.raises(ValueError, match="DYN_FORWARDPASS_METRIC_PORT='x'"):
+        fpm_zmq_port("zmq", True, {"DYN_FORWARDPASS_METRIC_PORT": "x"})
+    assert FpmSettings.from_env({}).zmq_port is None
+    assert FpmSettings.from_env({"DYN_FORWARDPASS_METRIC_PORT": "23456"}).zmq_port == 23456
+
+
 def test_new_names_are_documented() -> None:
     reference = (REPO / "docs" / "configuration.md").read_text()
     names = ("DYN_EVENT_PLANE", "DYN_FORWARDPASS_METRIC_PORT", "--event-plane", "--discovery-backend")
