@@ -20,6 +20,7 @@ def test_what_the_worker_writes_the_scheduler_reads_back() -> None:
         nats_url="nats://h:1",
         stats_file="/d/fpm-stats-{dp_rank}.json",
         gate_file="/d/registered",
+        zmq_port=20380,
     )
     assert FpmSettings.from_env(written.worker_env()) == written
 

@@ -62,9 +62,19 @@ def choose_scheduler(user_scheduler: str | None, fpm_requested: bool, available:
 
 
 def fpm_environment(
-    config: WorkerConfig, worker_id: str, fpm_enabled: bool, stats_dir: str, gate_file: str | None = None
+    config: WorkerConfig,
+    worker_id: str,
+    fpm_enabled: bool,
+    stats_dir: str,
+    zmq_port: int | None = None,
+    gate_file: str | None = None,
 ) -> dict[str, str]:
-    """Environment the InstrumentedScheduler reads in the EngineCore process (one stream per dp rank)."""
+    """Environment the InstrumentedScheduler reads in the EngineCore process (one stream per dp rank).
+
+    ``zmq_port`` set: the engine publishes for the worker's FpmEventRelay on the ZMQ event plane
+    (``DYN_FORWARDPASS_METRIC_PORT``); the caller removes that variable from the engine's environment
+    otherwise, so that the engine publishes on NATS.
+    """
     return FpmSettings(
         enabled=fpm_enabled,
         namespace=config.namespace,
@@ -74,6 +84,7 @@ def fpm_environment(
         nats_url=os.environ.get(ENV_NATS) or None,
         stats_file=stats_file_in(stats_dir),
         gate_file=gate_file,
+        zmq_port=zmq_port,
     ).worker_env()
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo.common.event_plane import ENV_FPM_PORT, fpm_port_from_env
 from dynamo.common.fpm_subjects import DECODE_COMPONENT, DEFAULT_ENDPOINT, DEFAULT_NAMESPACE
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ class FpmSettings:
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     audit_interval: float = DEFAULT_AUDIT_INTERVAL
     queue_accounting: str = "auto"
+    # DYN_FORWARDPASS_METRIC_PORT (upstream's): set = the ZMQ event plane, PUB on this port + dp_rank for the
+    # worker's FpmEventRelay; unset = publish on NATS directly.
+    zmq_port: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FpmSettings:
@@ -131,6 +135,7 @@ class FpmSettings:
             ),
             audit_interval=number(env, ENV_AUDIT_INTERVAL, DEFAULT_AUDIT_INTERVAL, what=SECONDS),
             queue_accounting=mode,
+            zmq_port=fpm_port_from_env(env),
         )
 
     def worker_env(self) -> dict[str, str]:
@@ -148,6 +153,7 @@ class FpmSettings:
             ENV_STATS_FILE: self.stats_file,
             ENV_NATS: self.nats_url,
             ENV_GATE_FILE: self.gate_file,
+            ENV_FPM_PORT: None if self.zmq_port is None else str(self.zmq_port),
         }
         env.update({name: value for name, value in optional.items() if value})
         return env

@@ -33,6 +33,7 @@ from dynamo.vllm.drain import ExitCode, InflightTracker, drain, held_kv_reader
 from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.fpm_env import ENV_STATS_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
+from dynamo.vllm.fpm_relay import ENV_FPM_PORT, fpm_zmq_port, start_relays, stop_relays
 from dynamo.vllm.handlers import RequestHandler
 from dynamo.vllm.health import (
     HEALTH_CHECK_PAYLOAD,
@@ -125,10 +126,19 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     worker_id = str(endpoint.connection_id())
     control.worker_id = worker_id
     stats_dir = eng.make_stats_dir()
+    try:
+        fpm_port = fpm_zmq_port(config.event_plane, config.fpm_enabled, os.environ)
+    except ValueError as exc:
+        print(f"dynamo.vllm: error: {exc}", file=sys.stderr)
+        return ExitCode.STARTUP_FAILED
+    if fpm_port is None:
+        os.environ.pop(ENV_FPM_PORT, None)  # the engine publishes on NATS directly
     if config.standby:  # no FPM heartbeats until registered: a standby is no pool member
         control.gate_file = gate_path(stats_dir)
     gate_file = str(control.gate_file) if control.gate_file else None
-    fpm_env = eng.fpm_environment(config, worker_id, config.fpm_enabled, stats_dir, gate_file)
+    fpm_env = eng.fpm_environment(
+        config, worker_id, config.fpm_enabled, stats_dir, zmq_port=fpm_port, gate_file=gate_file
+    )
     os.environ.update(fpm_env)
     # For the engine processes' hooks (engine_hooks): they end with this process, and act only below it.
     os.environ[engine_hooks.WORKER_PID_ENV] = str(os.getpid())
@@ -137,7 +147,7 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
         worker_id,
         config.endpoint_path,
         config.disaggregation_mode,
-        "on" if config.fpm_enabled else "off",
+        f"on ({config.event_plane} event plane)" if config.fpm_enabled else "off",
     )
 
     tracker = InflightTracker()
@@ -172,6 +182,7 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
         gate = loop.create_task(gate_on_transport(readiness, collector.health, grace_s=transport_grace))
 
     engine = None
+    relays: list[Any] = []
     keepalive: FileDiscoveryKeepAlive | None = None
     serve_task: asyncio.Future[Any] | None = None
     code: int = ExitCode.OK
@@ -182,9 +193,11 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
             log.error("engine failed to start: %s", _one_line(exc))
             print(f"dynamo.vllm: error: engine failed to start: {_one_line(exc)}", file=sys.stderr)
             return ExitCode.STARTUP_FAILED
-        capacity = eng.engine_capacity(
-            engine.vllm_config, eng.summed_engines(engine.vllm_config.parallel_config, engine)
-        )
+        local_engines = eng.summed_engines(engine.vllm_config.parallel_config, engine)
+        capacity = eng.engine_capacity(engine.vllm_config, local_engines)
+        if fpm_port is not None:  # after the engine start: its PUB sockets are bound by now
+            start = capacity.data_parallel_start_rank
+            relays = start_relays(endpoint, fpm_port, range(start, start + local_engines))
         model_config = engine.vllm_config.model_config
         handler = RequestHandler(
             engine,
@@ -333,6 +346,7 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     finally:
         if keepalive is not None:  # before the runtime deletes our entries: never write them back
             keepalive.stop()
+        stop_relays(relays)
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.shutdown()
