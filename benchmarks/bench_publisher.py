@@ -464,7 +464,8 @@ async def amain(args: argparse.Namespace) -> int:
         try:
             overhead = timer_overhead_ns()
             print(
-                f"nats-server {server.url}; flood {args.seconds:g} s per publisher; python {sys.version.split()[0]}"
+                f"nats-server {server.url}; flood {args.seconds:g} s per publisher; python "
+                f"{sys.version.split()[0]}"
             )
             t0 = time.monotonic()
             load0 = os.getloadavg()[0]

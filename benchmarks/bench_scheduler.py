@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         "--publisher",
         choices=["nats", "memory"],
         default="nats",
-        help="nats: the real FpmDirectPublisher to a local nats-server; memory: an in-memory list (no thread)",
+        help="nats: the real FpmDirectPublisher to a local nats-server; memory: an in-memory list (no "
+        "thread)",
     )
     parser.add_argument(
         "--remote", action="store_true", help="queued requests wait for remote KV instead (parked)"

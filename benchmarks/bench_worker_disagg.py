@@ -124,8 +124,8 @@ def run_phase(
             results.append(res)
             ttft = res["arrivals"][0] if res["arrivals"] else float("nan")
             print(
-                f"[{name}] request {i + 1}/{requests} ({kind}): ttft {ttft:.3f} s, total {res['total_s']:.2f} s"
-                + ("" if res["ok"] else " FAILED"),
+                f"[{name}] request {i + 1}/{requests} ({kind}): ttft {ttft:.3f} s, total "
+                f"{res['total_s']:.2f} s" + ("" if res["ok"] else " FAILED"),
                 flush=True,
             )
         leases_expired = sum(

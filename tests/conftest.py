@@ -52,13 +52,15 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Say how much the machine stalled during the run, and in which tests: the context of any timing failure."""
+    """Say how much the machine stalled during the run, and in which tests: the context of any timing
+    failure."""
     stalls = MACHINE.stalls()
     if not stalls:
         return
     total = sum(end - start for start, end in stalls)
     terminalreporter.write_line(
-        f"machine stalls measured: {len(stalls)}, {total:.1f} s in all (timing bounds in the tests left them out); "
+        f"machine stalls measured: {len(stalls)}, {total:.1f} s in all (timing bounds in the tests left them "
+        "out); "
         "the longest:"
     )
     for start, end in sorted(stalls, key=lambda s: s[0] - s[1])[:3]:

@@ -57,10 +57,10 @@ class H(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("127.0.0.1", PORT), H).serve_forever()
 """
 
-# argv: DECISION_LOG UP_AFTER DOWN_AFTER - writes a decode scale-up after UP_AFTER s, a scale-down DOWN_AFTER s later, holds in
-# between; like the real planner's local connector it reports a warm decode standby (connector events in
-# RUN/logs/) and, like the FPM recorder, the decode workers' records (RUN/fpm.jsonl): the promoted standby "w2"
-# works from 0.3 s after the scale-up on.
+# argv: DECISION_LOG UP_AFTER DOWN_AFTER - writes a decode scale-up after UP_AFTER s, a scale-down DOWN_AFTER
+# s later, holds in between; like the real planner's local connector it reports a warm decode standby
+# (connector events in RUN/logs/) and, like the FPM recorder, the decode workers' records (RUN/fpm.jsonl): the
+# promoted standby "w2" works from 0.3 s after the scale-up on.
 FAKE_PLANNER = r"""
 import json, os, sys, threading, time
 path = sys.argv[1]
@@ -72,8 +72,8 @@ def log(pool, cur, des, reason):
                              "reason": reason, "signals": {}}) + "\n")
 def event(name, role, state, worker, members, standby):
     with open(os.path.join(run, "logs", "local-connector-events.jsonl"), "a") as fh:
-        fh.write(json.dumps({"t": time.time(), "event": name, "pool": "decode", "index": 0, "pid": os.getpid(),
-                             "role": role, "state": state, "worker_id": worker,
+        fh.write(json.dumps({"t": time.time(), "event": name, "pool": "decode", "index": 0,
+                             "pid": os.getpid(), "role": role, "state": state, "worker_id": worker,
                              "counts": {"decode": {"members": members, "serving": members - 1, "starting": 0,
                                                    "standby": standby, "standby_loading": 0, "draining": 0}}})
                  + "\n")
@@ -169,7 +169,10 @@ def compose_defaults(value: str) -> str:
 
 # ---- a whole demo run on fake components (real supervisor, real nats-server, fake model/workers/planner) --
 SLEEPER = "import time\nwhile True: time.sleep(1)\n"
-FAILING_WORKER = "import sys, time\nprint('loading model ...', flush=True)\ntime.sleep(1.5)\nprint('fatal: KV cache does not fit', flush=True)\nsys.exit(7)\n"
+FAILING_WORKER = (
+    "import sys, time\nprint('loading model ...', flush=True)\ntime.sleep(1.5)\n"
+    "print('fatal: KV cache does not fit', flush=True)\nsys.exit(7)\n"
+)
 
 
 def fake_stack(monkeypatch_setattr, tmp: Path, *, failing_worker: bool = False) -> None:

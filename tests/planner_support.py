@@ -217,12 +217,15 @@ class EmbeddedEtcd:
 # (what a control file says, else only the publisher's idle heartbeats) and drains on SIGTERM.
 STAND_IN_FPM_WORKER = """
 import json, os, signal, sys, time
-from dynamo.common.forward_pass_metrics import ForwardPassMetrics, QueuedRequestMetrics, ScheduledRequestMetrics
+from dynamo.common.forward_pass_metrics import (
+    ForwardPassMetrics, QueuedRequestMetrics, ScheduledRequestMetrics
+)
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 control, ns, url = sys.argv[1], sys.argv[2], sys.argv[3]
 pool, index = os.environ["DYN_PLANNER_POOL"], os.environ["DYN_PLANNER_INDEX"]
 wid = f"{pool}-{index}"
-pub = FpmDirectPublisher(namespace=ns, component="prefill" if pool == "prefill" else "backend", worker_id=wid, nats_url=url)
+component = "prefill" if pool == "prefill" else "backend"
+pub = FpmDirectPublisher(namespace=ns, component=component, worker_id=wid, nats_url=url)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 print("started", wid, flush=True)

@@ -87,8 +87,9 @@ def test_shortened_demo_scales_decode_not_prefill_and_cleans_up(tmp_path: Path) 
         f"prefill scaled up:\n{summary}"
     )
 
-    # The default stack is really disaggregated (nixl is installed here: no aggregated fallback), and the decode
-    # workers read every prompt's KV from the prefill worker: a read that stalls ends in a lease expiry instead.
+    # The default stack is really disaggregated (nixl is installed here: no aggregated fallback), and the
+    # decode workers read every prompt's KV from the prefill worker: a read that stalls ends in a lease expiry
+    # instead.
     logs = run_dir / "logs"
     assert not (logs / "worker-agg.log").exists(), out[-3000:]
     prefill_logs = "".join(p.read_text(errors="replace") for p in logs.glob("*prefill*.log"))

@@ -476,7 +476,8 @@ def test_processes_without_the_marker_are_found_by_session_and_parentage(tmp_pat
     assert os.getpid() not in found
     sup.stop_all(timeout=5)
     assert pids_with_marker(run_id) == []
-    # Not only out of the scan's sight: the child in a session of its own was orphaned when its parent stopped.
+    # Not only out of the scan's sight: the child in a session of its own was orphaned when its parent
+    # stopped.
     wait_until(lambda: not [pid for pid in found if _alive(pid)], timeout=5, interval=0.05)
 
 
@@ -502,7 +503,8 @@ def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may
 
 
 def test_timeline_draws_a_state_change_when_the_worker_made_it() -> None:
-    """The connector notices a worker's new state at its next poll (3 s later); the worker's own time counts."""
+    """The connector notices a worker's new state at its next poll (3 s later); the worker's own time
+    counts."""
 
     def ev(t: float, event: str, starting: int, standby: int, since: float = 0.0) -> signals.ConnectorEvent:
         counts = {"decode": {"starting": starting, "standby": standby}}

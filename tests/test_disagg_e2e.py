@@ -108,8 +108,8 @@ def test_disaggregated_completion_equals_aggregated_worker(
     assert disaggregated["long"]["usage"]["prompt_tokens"] > 4 * 32  # the KV of several blocks moved
     # The comparison alone does not bite: when the transfer fails, the decode side recomputes the prompt, and
     # the text is still equal. A read that fails is logged by decode; one that hangs ends when the prefill
-    # side's KV lease expires (logged) and fails the time bound before that. The bound leaves out the machine's
-    # stalls (tests/stall_meter.py); the lease outlasts them (worker_support.E2E_KV_LEASE_S).
+    # side's KV lease expires (logged) and fails the time bound before that. The bound leaves out the
+    # machine's stalls (tests/stall_meter.py); the lease outlasts them (worker_support.E2E_KV_LEASE_S).
     assert "NIXL transfer failure" not in (tmp_path / "disagg-decode.log").read_text(errors="replace")
     assert "Releasing expired KV blocks" not in (tmp_path / "disagg-prefill.log").read_text(errors="replace")
     for name in PROMPTS:

@@ -29,7 +29,8 @@ STAND_IN = textwrap.dedent(
     """
     import os, signal, sys, time
     stubborn = "--stubborn" in sys.argv
-    print("started", os.environ["DYN_PLANNER_POOL"], os.environ["DYN_PLANNER_INDEX"], sys.argv[1:], flush=True)
+    pool, index = os.environ["DYN_PLANNER_POOL"], os.environ["DYN_PLANNER_INDEX"]
+    print("started", pool, index, sys.argv[1:], flush=True)
     def term(*_):
         if stubborn:
             print("ignoring SIGTERM", flush=True)

@@ -111,7 +111,8 @@ async def test_promoted_standby_serves_and_a_scale_down_lets_its_request_finish(
         )
         assert ("decode", worker.index, 0) in c.exited, c.exited  # every request finished: exit code 0
         print(
-            f"promoted standby served {ready_after:.2f} s after apply(); parked and stopped with requests in flight"
+            f"promoted standby served {ready_after:.2f} s after apply(); parked and stopped with requests in "
+            "flight"
         )
     finally:
         await c.close()

@@ -1,4 +1,5 @@
-"""``python -m dynamo.planner simulate``: the planner's own loop on Dynamo's fleet simulator (real runtime)."""
+"""``python -m dynamo.planner simulate``: the planner's own loop on Dynamo's fleet simulator (real
+runtime)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def test_snapshot_becomes_records_a_decision_and_a_target(tmp_path: Path) -> Non
     assert out["target_prefill"] in (None, 1)
     assert out["next_tick_ms"] == 10000.0
     book = policy.planner.book
-    # The records went through the planner's book under the live component names, capacity from the engine args.
+    # The records went through the planner's book under the live component names, capacity from the engine
+    # args.
     obs = book.observe(5.0)
     assert [e.worker_id for e in obs.decode.engines] == ["sim-0"]
     assert obs.decode.engines[0].capacity.kv_tokens == 8192 * 64

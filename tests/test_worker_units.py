@@ -767,7 +767,8 @@ def _engine_config(blocks: int, **parallel: Any) -> _EngineConfig:
 def test_data_parallel_workers_register_one_engines_kv_capacity(
     parallel: dict[str, Any], engines: int
 ) -> None:
-    """vLLM sums the engines' block counts; the model card must carry one engine's (the planner multiplies)."""
+    """vLLM sums the engines' block counts; the model card must carry one engine's (the planner
+    multiplies)."""
     from dynamo.vllm.registration import runtime_config
 
     config = _engine_config(1000 * engines, **parallel)

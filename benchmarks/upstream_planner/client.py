@@ -110,6 +110,7 @@ def run_upstream(
         record = None
     if not isinstance(record, dict):
         raise RuntimeError(
-            f"upstream planner run printed no JSON result\nstdout: {_tail(proc.stdout, 3)}\n{_tail(proc.stderr)}"
+            "upstream planner run printed no JSON result\nstdout: "
+            f"{_tail(proc.stdout, 3)}\n{_tail(proc.stderr)}"
         )
     return record

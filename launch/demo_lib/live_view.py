@@ -77,7 +77,7 @@ def render(
         + (f"   last error: {load.last_error[:60]}" if load.last_error else ""),
         "replicas  " + "   ".join(f"{p}: {'?' if n is None else n}" for p, n in replicas.items()),
         *(
-            [f"          planner's workers: {connector_line(connector)}"]
+            [f"          planner's workers: {connector_line(connector or {})}"]
             if connector_line(connector or {})
             else []
         ),
@@ -98,8 +98,13 @@ def connector_line(connector: dict[str, dict[str, int] | None]) -> str:
     for pool, c in connector.items():
         if not c:
             continue
-        items = [f"{c.get(k, 0)} {label}" for k, label in (("starting", "starting"), ("standby", "standby (warm)"),
-                 ("standby_loading", "standby loading"), ("draining", "draining")) if c.get(k)]  # fmt: skip
+        labels = (
+            ("starting", "starting"),
+            ("standby", "standby (warm)"),
+            ("standby_loading", "standby loading"),
+            ("draining", "draining"),
+        )
+        items = [f"{c.get(k, 0)} {label}" for k, label in labels if c.get(k)]
         parts.append(f"{pool}: " + (", ".join(items) if items else "all serving"))
     return "   ".join(parts)
 

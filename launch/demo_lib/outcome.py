@@ -111,7 +111,9 @@ def describe(r: ScaledReplica) -> str:
         )
     share = r.decode_share or 0.0
     return (
-        f"Scaled replica took load: {'YES' if r.took_load else 'NO'} - first decode work {r.first_work_s:.1f} s "
-        f"after the scale-up decision (bar: {FIRST_WORK_LIMIT_S:.0f} s); it carried {share * 100:.0f}% of the "
+        f"Scaled replica took load: {'YES' if r.took_load else 'NO'} - first decode work "
+        f"{r.first_work_s:.1f} s "
+        f"after the scale-up decision (bar: {FIRST_WORK_LIMIT_S:.0f} s); it carried {share * 100:.0f}% of "
+        "the "
         f"decode pool's tokens from then to the burst's end (bar: {MIN_DECODE_SHARE * 100:.0f}%)."
     )

@@ -60,7 +60,8 @@ class FpmSample:
 
 def parse_fpm_line(obj: dict[str, Any], now: float | None = None) -> FpmSample | None:
     """One watch-CLI JSON object -> sample; None when it is not an FPM record of a known pool."""
-    rec = obj.get("record") if isinstance(obj.get("record"), dict) else obj
+    nested = obj.get("record")
+    rec: dict[str, Any] = nested if isinstance(nested, dict) else obj
     comp = _first(obj, "component", "pool", default=None) or _first(rec, "component", default="")
     pool = POOL_OF_COMPONENT.get(str(comp))
     if pool is None:
@@ -174,7 +175,8 @@ def parse_connector_event(obj: dict[str, Any]) -> ConnectorEvent | None:
     pool = str(obj.get("pool", ""))
     if pool not in POOLS or "event" not in obj:
         return None
-    counts = obj.get("counts") if isinstance(obj.get("counts"), dict) else {}
+    raw_counts = obj.get("counts")
+    counts: dict[str, Any] = raw_counts if isinstance(raw_counts, dict) else {}
     return ConnectorEvent(
         t=_num(obj.get("t")),
         event=str(obj["event"]),

@@ -251,8 +251,8 @@ class Supervisor:
         return sorted((set(pids_with_marker(self.run_id)) | listed) - {me})
 
     def kill_marked(self, grace: float = 5.0, members: Mapping[int, int | None] | None = None) -> list[str]:
-        """SIGTERM, then SIGKILL, every live process with this run's marker and every listed member still alive
-        (pid -> start time, from before the stop; never ourselves).
+        """SIGTERM, then SIGKILL, every live process with this run's marker and every listed member still
+        alive (pid -> start time, from before the stop; never ourselves).
 
         Returns ``"pid command"`` of each process found (should be none after a clean stop).
         """

@@ -158,7 +158,8 @@ def summed_engines(parallel_config: Any, engine_client: Any = None) -> int:
 
     vLLM's engine client adds the block count each engine reports at start-up: with data parallelism the
     figure is the sum over every engine the client manages (all ranks with internal load balancing, the local
-    ones with hybrid or external balancing, one in offline mode). The client's own list is used when it has one.
+    ones with hybrid or external balancing, one in offline mode). The client's own list is used when it has
+    one.
     """
     ranks = getattr(getattr(engine_client, "engine_core", None), "engine_ranks_managed", None)
     if isinstance(ranks, list | tuple) and ranks:
@@ -173,8 +174,9 @@ def summed_engines(parallel_config: Any, engine_client: Any = None) -> int:
 
 def engine_capacity(vllm_config: Any, engines: int = 1) -> EngineCapacity:
     """Per-engine figures: vLLM's ``num_gpu_blocks`` is the sum over the ``engines`` it started
-    (:func:`summed_engines`); registering the sum as one engine's capacity overstated each engine's KV cache by
-    the data-parallel size. Unequal counts are floored (a planner must not count blocks an engine lacks)."""
+    (:func:`summed_engines`); registering the sum as one engine's capacity overstated each engine's KV cache
+    by the data-parallel size. Unequal counts are floored (a planner must not count blocks an engine
+    lacks)."""
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
     par = vllm_config.parallel_config

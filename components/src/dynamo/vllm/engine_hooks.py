@@ -102,7 +102,7 @@ def eager_logprob_ranks() -> bool:
     patched = False
     for module in (logprobs, sampler):
         if callable(getattr(module, "batched_count_greater_than", None)):
-            module.batched_count_greater_than = _eager_count_greater_than  # type: ignore[attr-defined]
+            module.batched_count_greater_than = _eager_count_greater_than
             patched = True
     return patched
 

@@ -1,6 +1,7 @@
 """Switches read from the environment by code that runs inside vLLM's processes (no vLLM import here).
 
-A value that cannot be read raises ``ValueError`` naming the variable, so a typo never silently turns a fix off.
+A value that cannot be read raises ``ValueError`` naming the variable, so a typo never silently turns a fix
+off.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 def number(
     env: Mapping[str, str], name: str, default: float, *, allow_zero: bool = True, what: str = "a number"
 ) -> float:
-    """A number >= 0 (> 0 without ``allow_zero``); unset or empty gives ``default``. ``what`` names the unit in errors."""
+    """A number >= 0 (> 0 without ``allow_zero``); unset or empty gives ``default``. ``what`` names the unit
+    in errors."""
     raw = env.get(name, "").strip()
     if not raw:
         return default

@@ -141,7 +141,8 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     )
 
     tracker = InflightTracker()
-    # A prefill engine holds each prompt's KV blocks until a decode worker has read them: the drain waits for that.
+    # A prefill engine holds each prompt's KV blocks until a decode worker has read them: the drain waits for
+    # that.
     held_kv = None
     if config.disaggregation_mode == "prefill":
         if config.fpm_enabled:

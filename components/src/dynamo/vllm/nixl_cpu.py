@@ -140,7 +140,8 @@ class _BindingsWithDelay:
 def progress_delay(delay_us: int) -> Iterator[None]:
     """Within this block, NIXL agents created through vLLM's wrapper get ``delay_us`` of poll delay."""
     wrapper_cls = getattr(_base_worker, "NixlWrapper", None)
-    api = sys.modules.get(getattr(wrapper_cls, "__module__", ""), None)
+    # nixl's ``_api`` module, untyped (nixl ships no type information): its attributes are set below.
+    api: Any = sys.modules.get(getattr(wrapper_cls, "__module__", ""), None)
     bindings = getattr(api, "nixlBind", None)
     if (
         api is None
