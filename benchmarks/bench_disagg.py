@@ -4,10 +4,10 @@
                                                 [--without-layer | --no-without-layer] [--json PATH]
 
 Real in-process vLLM engines on the tiny model (tests/disagg_support.py), never more than two alive: a
-prefill engine and a decode engine, both through ``dynamo.vllm.nixl_cpu`` (the CPU layer, defaults);
-then, unless ``--no-without-layer``, the decode engine is replaced by one with the layer's three switches
-off (vLLM's connector as it is). Aggregated requests run on the prefill engine by itself and alternate
-with the disaggregated ones, so both see the same machine load and the same engine settings.
+prefill engine and a decode engine, both through ``dynamo.vllm.cpu_host.nixl_connector`` (the CPU layer,
+defaults); then, unless ``--no-without-layer``, the decode engine is replaced by one with the layer's three
+switches off (vLLM's connector as it is). Aggregated requests run on the prefill engine by itself and
+alternate with the disaggregated ones, so both see the same machine load and the same engine settings.
 
 For short and long prompts, one request at a time (greedy, fixed length): time to first token (for
 disaggregated: from the prefill engine's arrival to the decode engine's first token, the hop between

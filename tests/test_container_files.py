@@ -95,7 +95,7 @@ def test_cpu_compose_uses_the_cpu_transfer_layer_and_the_tiny_model() -> None:
     services = _services("cpu")
     for name in ("prefill", "decode"):
         cmd = services[name]["command"]
-        assert "dynamo.vllm.nixl_cpu" in cmd[cmd.index("--kv-transfer-config") + 1]
+        assert "dynamo.vllm.cpu_host.nixl_connector" in cmd[cmd.index("--kv-transfer-config") + 1]
         assert cmd[cmd.index("--model") + 1] == "/models/tiny"
         assert services[name]["depends_on"]["model"]["condition"] == "service_completed_successfully"
         assert "deploy" not in services[name]

@@ -3,7 +3,8 @@ aggregated worker does (2-4 minutes on 2 cores).
 
 Two phases, never more than two engines alive: first the frontend with one aggregated worker, then
 a new frontend with a prefill and a decode worker (vLLM's NixlConnector with a CPU KV buffer through
-``dynamo.vllm.nixl_cpu``, ``kv_producer`` / ``kv_consumer``), each phase with its own discovery folder.
+``dynamo.vllm.cpu_host.nixl_connector``, ``kv_producer`` / ``kv_consumer``), each phase with its own discovery
+folder.
 """
 
 from __future__ import annotations

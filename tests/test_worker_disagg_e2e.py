@@ -2,8 +2,8 @@
 
 The frontend runs prefill on the prefill worker (component ``prefill``), hands vLLM's KV transfer
 parameters to the decode worker (component ``backend``), whose NixlConnector (with our CPU layer,
-``dynamo.vllm.nixl_cpu``) pulls the prompt's KV. Greedy output must equal vLLM run directly, and each
-pool's FPM records must arrive under its own worker's connection id.
+``dynamo.vllm.cpu_host.nixl_connector``) pulls the prompt's KV. Greedy output must equal vLLM run directly,
+and each pool's FPM records must arrive under its own worker's connection id.
 """
 
 from __future__ import annotations
@@ -165,9 +165,10 @@ def test_no_worker_thread_is_confined_to_one_core(disagg: Stack) -> None:
 
 
 def test_engine_processes_rest_between_requests(disagg: Stack) -> None:
-    """On CPU a prefill or decode worker makes vLLM's ring-buffer waits sleep (``dynamo.vllm.shm_wait``):
-    right after each message vLLM's engine processes used to call sched_yield in a loop for 1 s, a core each,
-    and a prefill and a decode worker took both cores of this machine from everything else."""
+    """On CPU a prefill or decode worker makes vLLM's ring-buffer waits sleep
+    (``dynamo.vllm.cpu_host.shm_wait``): right after each message vLLM's engine processes used to call
+    sched_yield in a loop for 1 s, a core each, and a prefill and a decode worker took both cores of this
+    machine from everything else."""
     engine = [
         pid
         for proc in disagg.procs[1:]

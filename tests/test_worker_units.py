@@ -799,7 +799,7 @@ def test_engine_hooks_act_only_in_a_workers_engine_processes() -> None:
 
 def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
     import torch
-    from dynamo.vllm import engine_hooks
+    from dynamo.vllm.cpu_host import logprob_ranks
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops import logprobs
 
@@ -807,7 +807,7 @@ def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
     values = torch.tensor([[0.3], [0.0]])
     originals = (logprobs.batched_count_greater_than, sampler.batched_count_greater_than)
     try:
-        assert engine_hooks.eager_logprob_ranks()
+        assert logprob_ranks.eager_logprob_ranks()
         assert sampler.batched_count_greater_than is logprobs.batched_count_greater_than
         assert sampler.batched_count_greater_than(x, values).tolist() == [3, 3]
     finally:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamo.vllm import shm_wait
+from dynamo.vllm.cpu_host import shm_wait
 
 from .load import Phase
 
@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 # CPU disaggregation: vLLM's NixlConnector through the project's CPU compatibility module.
 CPU_KV_TRANSFER_CONFIG = {
     "kv_connector": "NixlConnector",
-    "kv_connector_module_path": "dynamo.vllm.nixl_cpu",
+    "kv_connector_module_path": "dynamo.vllm.cpu_host.nixl_connector",
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
 }

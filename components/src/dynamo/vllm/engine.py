@@ -14,13 +14,12 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo.vllm import shm_wait
 from dynamo.vllm.args import INSTRUMENTED_SCHEDULER, WorkerConfig
+from dynamo.vllm.cpu_host.env_defaults import cpu_environment
 
 log = logging.getLogger(__name__)
 
 STATS_FILE_NAME = "fpm-stats-{dp_rank}.json"
-OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @dataclass(frozen=True)
@@ -90,14 +89,9 @@ def disaggregation_environment(
     """Defaults for a prefill or decode worker; a variable the user already set is never changed.
 
     - NIXL side channel on one machine: loopback host and a free port.
-    - On CPU, ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default binding pins the worker's main
-      thread (OpenMP thread 0) to one core, and every thread it starts (UCX's async and progress
-      threads, ZMQ) inherits that core, beside the main thread's busy wait between steps. Decode-side
-      NIXL reads then stalled for 20-220 s (until the prefill side's KV lease expired) in most runs
-      on 2 cores; unbound, 24 of 24 transfers took milliseconds (docs/disaggregation.md).
-    - On CPU, ``DYN_VLLM_SHM_WAIT_SLEEP_US=100``: each vLLM engine process yields the CPU in a loop for 1 s
-      after every message, a core per process; a prefill and a decode engine took both cores of a 2-core host
-      from everything else (``dynamo.vllm.shm_wait``).
+    - On vLLM's CPU platform, the CPU-host defaults of
+      :func:`dynamo.vllm.cpu_host.env_defaults.cpu_environment` (OpenMP threads unbound, engine waits that
+      sleep; why: docs/workarounds.md).
     """
     if mode not in ("prefill", "decode"):
         return {}
@@ -106,10 +100,8 @@ def disaggregation_environment(
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     if not environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT"):
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port)
-    if cpu_platform and not environ.get(OMP_BIND_ENV):
-        env[OMP_BIND_ENV] = "nobind"
-    if cpu_platform and not environ.get(shm_wait.ENV):
-        env[shm_wait.ENV] = str(shm_wait.DEFAULT_SLEEP_US)
+    if cpu_platform:
+        env.update(cpu_environment(environ))
     return env
 
 

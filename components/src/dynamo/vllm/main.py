@@ -27,10 +27,10 @@ from dynamo.common import worker_state as ws
 from dynamo.common.cli_setup import loopback_by_default, setup_logging
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
-from dynamo.vllm import engine_hooks, registration, shm_wait
+from dynamo.vllm import engine_hooks, registration
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
+from dynamo.vllm.cpu_host import env_defaults, shm_wait
 from dynamo.vllm.drain import ExitCode, InflightTracker, drain, held_kv_reader
-from dynamo.vllm.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.fpm_env import ENV_GATE_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.handlers import RequestHandler
@@ -41,6 +41,7 @@ from dynamo.vllm.health import (
     transport_health_from_env,
     wait_engine_dead,
 )
+from dynamo.vllm.runtime_workarounds.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.standby import StandbyControl, early_options, gate_path
 
 log = logging.getLogger("dynamo.vllm")
@@ -95,20 +96,9 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     disagg_env = eng.disaggregation_environment(
         config.disaggregation_mode, dict(os.environ), stable_free_port(), cpu_platform=eng.is_cpu_platform()
     )
-    if eng.OMP_BIND_ENV in disagg_env:
-        log.info(
-            "%s=%s: NIXL's threads must not share the model thread's single core on CPU "
-            "(set it yourself to override)",
-            eng.OMP_BIND_ENV,
-            disagg_env[eng.OMP_BIND_ENV],
-        )
-    if shm_wait.ENV in disagg_env:
-        log.info(
-            "%s=%s: vLLM's engine processes sleep instead of yielding in their waits on CPU "
-            "(set it yourself to override, 0 for vLLM's sched_yield)",
-            shm_wait.ENV,
-            disagg_env[shm_wait.ENV],
-        )
+    for name, why in env_defaults.REASONS.items():
+        if name in disagg_env:
+            log.info("%s=%s: %s", name, disagg_env[name], why)
     os.environ.update(disagg_env)
     nats = os.environ.get("NATS_SERVER", "")
     needs_nats = config.event_plane == "nats" or config.request_plane == "nats"
