@@ -66,10 +66,12 @@ import json, os, sys, threading, time
 path = sys.argv[1]
 run = os.path.dirname(path)
 os.makedirs(os.path.join(run, "logs"), exist_ok=True)
-def log(pool, cur, des, reason):
+def log(pool, cur, des, reason):  # a line in the real decision log's format (dynamo.planner.decision_log)
+    action = "scale_up" if des > cur else "scale_down" if des < cur else "hold"
     with open(path, "a") as fh:
-        fh.write(json.dumps({"time": time.time(), "pool": pool, "current": cur, "desired": des,
-                             "reason": reason, "signals": {}}) + "\n")
+        fh.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ts": time.time(),
+                             "tick": 0, "pool": pool, "current": cur, "desired": des, "action": action,
+                             "reason": reason, "signals": {}, "applied": True, "dry_run": False}) + "\n")
 def event(name, role, state, worker, members, standby):
     with open(os.path.join(run, "logs", "local-connector-events.jsonl"), "a") as fh:
         fh.write(json.dumps({"t": time.time(), "event": name, "pool": "decode", "index": 0,
@@ -78,6 +80,8 @@ def event(name, role, state, worker, members, standby):
                                                    "standby": standby, "standby_loading": 0, "draining": 0}}})
                  + "\n")
 promoted = []
+# The FPM lines are the watch CLI's --json lines (what the demo's FPM recorder writes).
+SUBJECT = "namespace.demo.component.backend.endpoint.generate.forward-pass-metrics"
 def fpm():
     n = 0
     while True:
@@ -85,7 +89,8 @@ def fpm():
         workers = ["w1"] + (["w2"] if promoted and time.time() > promoted[0] + 0.3 else [])
         with open(os.path.join(run, "fpm.jsonl"), "a") as fh:
             for w in workers:
-                fh.write(json.dumps({"component": "backend", "published_at_ms": int(time.time() * 1000),
+                fh.write(json.dumps({"subject": SUBJECT, "component": "backend", "endpoint": "generate",
+                                     "published_at_ms": int(time.time() * 1000), "version": 1,
                                      "worker_id": w, "dp_rank": 0, "counter_id": n, "wall_time": 0.02,
                                      "scheduled_requests": {"num_decode_requests": 2},
                                      "queued_requests": {}}) + "\n")

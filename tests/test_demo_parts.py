@@ -21,7 +21,15 @@ from stall_meter import Deadline
 # isort: split
 from demo_lib import live_view, load, outcome, report, signals, stack, timeline, verdict
 from demo_lib.supervisor import Supervisor, pids_with_marker, tail_lines
+from dynamo.common.forward_pass_metrics import (
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+)
+from dynamo.common.fpm_tracker import record_to_dict
 from dynamo.common.nats_server import free_port
+from dynamo.planner import decision_log
+from dynamo.planner.decision_log import DecisionEntry
 from worker_support import wait_until
 
 
@@ -37,32 +45,41 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 
 # ---- signals --------------------------------------------------------------------------------------
+def _watch_line(component: str, record: ForwardPassMetrics, **envelope: object) -> dict[str, object]:
+    """A ``recv_forward_pass_metrics --json`` object: envelope keys and every record field, as it prints."""
+    subject = f"namespace.demo.component.{component}.endpoint.generate.forward-pass-metrics"
+    return {"subject": subject, "component": component, "endpoint": "generate", **envelope,
+            **record_to_dict(record)}  # fmt: skip
+
+
 def test_parse_fpm_line_reads_pool_queues_and_kv_split(tmp_path: Path) -> None:
-    rec = {
-        "subject": "namespace.demo.component.backend.endpoint.generate.forward-pass-metrics",
-        "received_at": 100.5,
-        "worker_id": "42",
-        "dp_rank": 0,
-        "wall_time": 0.01,
-        "scheduled_requests": {"num_decode_requests": 3, "sum_decode_kv_tokens": 300},
-        "queued_requests": {
-            "num_decode_requests": 5,
-            "sum_decode_kv_tokens": 500,
-            "sum_decode_kv_transfer_tokens": 200,
-            "sum_decode_kv_ready_tokens": 300,
-        },
-    }
-    s = signals.parse_fpm_line(rec)
+    rec = ForwardPassMetrics(
+        worker_id="42",
+        wall_time=0.01,
+        scheduled_requests=ScheduledRequestMetrics(num_decode_requests=3, sum_decode_kv_tokens=300),
+        queued_requests=QueuedRequestMetrics(
+            num_decode_requests=5,
+            sum_decode_kv_tokens=500,
+            sum_decode_kv_transfer_tokens=200,
+            sum_decode_kv_ready_tokens=300,
+        ),
+    )
+    line = _watch_line("backend", rec, received_at=100.5)
+    del line["component"], line["endpoint"]  # the subject alone names the pool
+    s = signals.parse_fpm_line(line)
     assert s is not None
     assert (s.pool, s.worker, s.t, s.queued_decode_requests) == ("decode", "42", 100.5, 5)
     assert (s.kv_transfer_tokens, s.kv_ready_tokens, s.scheduled_decode_kv_tokens) == (200, 300, 300)
-    nested = {
-        "component": "prefill",
-        "record": {"worker_id": "7", "queued_requests": {"sum_prefill_tokens": 9}},
-    }
-    p = signals.parse_fpm_line(nested, now=5.0)
-    assert p is not None and (p.pool, p.queued_prefill_tokens, p.kv_ready_tokens) == ("prefill", 9, None)
-    assert signals.parse_fpm_line({"component": "router"}) is None
+    prefill = ForwardPassMetrics(worker_id="7", queued_requests=QueuedRequestMetrics(sum_prefill_tokens=9))
+    p = signals.parse_fpm_line(_watch_line("prefill", prefill), now=5.0)  # no time stamp: "now"
+    assert p is not None and (p.pool, p.t, p.queued_prefill_tokens, p.kv_ready_tokens) == (
+        "prefill",
+        5.0,
+        9,
+        None,
+    )
+    assert signals.parse_fpm_line(_watch_line("router", prefill)) is None
+    assert signals.parse_fpm_line({"component": "prefill", "endpoint": "generate", "version": 99}) is None
 
 
 def test_jsonl_tail_handles_partial_lines_and_garbage(tmp_path: Path) -> None:
@@ -77,17 +94,26 @@ def test_jsonl_tail_handles_partial_lines_and_garbage(tmp_path: Path) -> None:
     assert tail.bad_lines == 1
 
 
-def test_parse_decision_aliases() -> None:
-    d = signals.parse_decision_line({"ts": "2026-01-01T00:00:00Z", "pool": "backend", "current_replicas": 1,
-                                     "desired_replicas": 2, "reason": "kv"})  # fmt: skip
-    assert d is not None and (d.pool, d.direction, d.is_action) == ("decode", 1, True)
-    assert d.t == 1767225600.0
-    assert signals.parse_decision_line({"pool": "decode", "current": 1}) is None
+def test_decisions_are_read_through_the_decision_log() -> None:
+    line = {"time": "2026-01-01T00:00:00.000+00:00", "ts": 1767225600.0, "tick": 7, "pool": "decode",
+            "current": 1, "desired": 2, "action": "scale_up", "reason": "kv", "signals": {"load": 1.4},
+            "applied": True, "dry_run": False}  # fmt: skip
+    d = decision_log.parse_entry(line)
+    assert d is not None and (d.pool, d.direction, d.is_action, d.ts, d.tick) == (
+        "decode",
+        1,
+        True,
+        1767225600.0,
+        7,
+    )
+    assert decision_log.read_entry(json.dumps(line)) == d
+    assert decision_log.parse_entry({"pool": "decode", "current": 1, "ts": 1.0}) is None
+    assert decision_log.parse_entry({**line, "pool": "backend"}) is None  # pools by their planner names
 
 
 # ---- verdict --------------------------------------------------------------------------------------
-def _d(t: float, pool: str, cur: int, des: int, reason: str = "r") -> signals.Decision:
-    return signals.Decision(t, pool, cur, des, reason)
+def _d(t: float, pool: str, cur: int, des: int, reason: str = "r") -> DecisionEntry:
+    return DecisionEntry(t, pool, cur, des, reason)
 
 
 MIN = {"prefill": 1, "decode": 1}
@@ -106,7 +132,7 @@ TOOK_LOAD = outcome.ScaledReplica(112.0, "w2", 112.4, 113.5, 40.0, 100.0)
         ([], False, 0, True),  # never reacted
     ],
 )  # fmt: skip
-def test_verdict_table(decisions: list[signals.Decision], passed: bool, wrong: int, back: bool) -> None:
+def test_verdict_table(decisions: list[DecisionEntry], passed: bool, wrong: int, back: bool) -> None:
     v = verdict.judge(decisions, burst_start=100.0, burst_end=200.0, minimum=MIN, scaled=TOOK_LOAD)
     assert (v.passed, len(v.wrong_pool_actions), v.returned_to_min) == (passed, wrong, back)
     assert len(v.lines) == 4 and all(v.lines)

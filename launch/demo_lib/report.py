@@ -9,9 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynamo.planner.decision_log import DecisionEntry
+
 from . import timeline
 from .load import RequestResult, latency_summary
-from .signals import ConnectorEvent, Decision, FpmSample
+from .signals import ConnectorEvent, FpmSample
 from .verdict import Verdict
 
 FIGURE = "timeline.png"
@@ -21,7 +23,7 @@ FIGURE = "timeline.png"
 class ReportData:
     t0: float
     samples: list[FpmSample]
-    decisions: list[Decision]
+    decisions: list[DecisionEntry]
     results: list[RequestResult]
     phase_times: list[tuple[str, float, float]]
     verdict: Verdict
@@ -38,7 +40,7 @@ def make_timeline(data: ReportData) -> timeline.Timeline:
         max(
             [data.t0 + 1.0]
             + [s.t for s in data.samples]
-            + [d.t for d in data.decisions]
+            + [d.ts for d in data.decisions]
             + [e for _, _, e in data.phase_times]
         )
         + 5.0
@@ -112,7 +114,7 @@ def render_html(data: ReportData, png: bytes) -> str:
         for name, s in summary.items()
     )  # fmt: skip
     actions = "".join(
-        f"<tr><td>+{d.t - data.t0:.1f} s</td><td>{e(d.pool)}</td><td>{d.current} &rarr; {d.desired}</td>"
+        f"<tr><td>+{d.ts - data.t0:.1f} s</td><td>{e(d.pool)}</td><td>{d.current} &rarr; {d.desired}</td>"
         f"<td>{e(d.reason)}</td></tr>"
         for d in data.decisions
         if d.is_action
