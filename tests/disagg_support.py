@@ -111,6 +111,7 @@ class EngineProcess:
     def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
         """Accept the child's connection and wait for its engine to be built."""
         deadline = Deadline(timeout)
+        # multiprocessing's Listener has no accept timeout: set it on its private socket.
         self._listener._listener._socket.settimeout(max(1.0, timeout))  # type: ignore[attr-defined]
         try:
             self.conn = self._listener.accept()
@@ -194,8 +195,9 @@ class EngineProcess:
         with _suppress():
             self.proc.wait(timeout=10)
         for closable in (self.conn, self._listener, self._log):
-            with _suppress():
-                closable.close()  # type: ignore[union-attr]
+            if closable is not None:
+                with _suppress():
+                    closable.close()
 
 
 class _suppress:

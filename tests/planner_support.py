@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -160,7 +161,7 @@ class EmbeddedEtcd:
     """
 
     def __init__(self) -> None:
-        self.binary = shutil.which("etcd", path=str(Path(os.sys.executable).parent)) or shutil.which("etcd")
+        self.binary = shutil.which("etcd", path=str(Path(sys.executable).parent)) or shutil.which("etcd")
         self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
         self._dir = tempfile.mkdtemp(prefix="planner-etcd-")

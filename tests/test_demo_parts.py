@@ -13,6 +13,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from demo_support import FAKE_OPENAI_SERVER, write_script  # puts launch/ on sys.path
@@ -184,14 +185,14 @@ def test_verdict_speed_and_text() -> None:
 
 # ---- live view and report -------------------------------------------------------------------------
 def _sample(t: float, pool: str, worker: str, **kw: float) -> signals.FpmSample:
-    base = dict(
+    base: dict[str, Any] = dict(
         wall_time=0.02, queued_prefill_tokens=0.0, queued_prefill_requests=0.0, queued_decode_requests=0.0,
         queued_decode_kv_tokens=0.0, kv_transfer_tokens=None, kv_ready_tokens=None, kv_transfer_requests=None,
         kv_ready_requests=None, scheduled_decode_requests=0.0, scheduled_decode_kv_tokens=0.0,
         scheduled_prefill_tokens=0.0,
     )  # fmt: skip
     base.update(kw)
-    return signals.FpmSample(t=t, pool=pool, worker=worker, dp_rank=0, **base)  # type: ignore[arg-type]
+    return signals.FpmSample(t=t, pool=pool, worker=worker, dp_rank=0, **base)
 
 
 def test_live_view_shows_engines_replicas_and_decisions() -> None:
@@ -239,7 +240,7 @@ def test_report_is_self_contained_with_one_matplotlib_timeline(tmp_path: Path) -
     scaled = outcome.scaled_replica(samples, decisions, events, t0 + 10, t0 + 40)
     assert scaled.worker_id == "w2" and scaled.took_load
     v = verdict.judge(decisions, t0 + 10, t0 + 40, MIN, scaled=scaled)
-    baseline = {"latency": {"burst": {"requests": 7, "tokens": 70, "ttft_p50": 0.5}}}
+    baseline: dict[str, object] = {"latency": {"burst": {"requests": 7, "tokens": 70, "ttft_p50": 0.5}}}
     data = report.ReportData(t0, samples, decisions, results, phases, v, MIN, {"agg": False}, ["a note"],
                              events=events, baseline=baseline)  # fmt: skip
     path = report.write_report(data, tmp_path / "report")
@@ -392,9 +393,11 @@ def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
     assert kv["kv_connector_extra_config"] == {"kv_lease_duration": cfg.kv_lease_s}
     assert "--kv-transfer-config" not in stack.worker_argv(cfg, "agg")
     conf = stack.planner_config(cfg)
-    assert conf["connector"] == "local" and conf["local"]["initial_decode"] == 1  # type: ignore[index]
-    assert conf["local"]["standby_decode"] == 1  # type: ignore[index]  # one warm decode standby by default
-    template = conf["local"]["decode_command"]  # type: ignore[index]
+    local = conf["local"]
+    assert isinstance(local, dict)
+    assert conf["connector"] == "local" and local["initial_decode"] == 1
+    assert local["standby_decode"] == 1  # one warm decode standby by default
+    template = local["decode_command"]
     assert "free_port_exec.py VLLM_NIXL_SIDE_CHANNEL_PORT --" in template
     # The planner fills {placeholders} with str.format: the JSON braces survive it.
     argv = shlex.split(template.format(pool="decode", index=1, port=5, namespace="demo", log_dir="x"))
@@ -516,9 +519,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may_run(tmp_path: Path) -> None:
-    def cfg(**kw: object) -> stack.DemoConfig:
-        paths = {"run_dir": tmp_path, "model_dir": tmp_path / "m", "discovery_dir": tmp_path / "d"}
-        return stack.DemoConfig(**paths, nats_port=1, http_port=2, **kw)  # type: ignore[arg-type]
+    def cfg(**kw: Any) -> stack.DemoConfig:
+        paths: dict[str, Any] = {
+            "run_dir": tmp_path,
+            "model_dir": tmp_path / "m",
+            "discovery_dir": tmp_path / "d",
+        }
+        return stack.DemoConfig(**paths, nats_port=1, http_port=2, **kw)
 
     assert stack.omp_threads_per_engine(cfg(), usable_cores=2) == 1  # 2 prefill + 2 decode engines at most
     assert stack.omp_threads_per_engine(cfg(), usable_cores=16) == 4
@@ -545,7 +552,5 @@ def test_timeline_draws_a_state_change_when_the_worker_made_it() -> None:
         [0.0, 0.0, 1.0, 0.0, 0.0],
     )
     assert timeline.connector_steps(tl, "decode", "standby")[1] == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert (
-        signals.parse_connector_event({"t": 13, "event": "state", "pool": "decode", "since": 10.02}).happened
-        == 10.02
-    )  # type: ignore[union-attr]
+    state = signals.parse_connector_event({"t": 13, "event": "state", "pool": "decode", "since": 10.02})
+    assert state is not None and state.happened == 10.02

@@ -21,8 +21,7 @@ from dynamo.planner.connector_base import ConnectorStatus
 from dynamo.planner.loop import Planner
 from dynamo.planner.metrics import PlannerMetrics
 from dynamo.planner.replay import run_replay
-
-from tests.planner_support import config, rec
+from planner_support import config, rec
 
 pytestmark = pytest.mark.timeout(120)
 

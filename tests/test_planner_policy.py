@@ -12,8 +12,7 @@ from dynamo.planner.observations import WorkerBook
 from dynamo.planner.policy import Decision, PolicyState, decide
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from tests.planner_support import CAP, KV, config, heartbeat, obs, pool, rec
+from planner_support import CAP, KV, config, heartbeat, obs, pool, rec
 
 # --------------------------------------------------------------------------------------------------
 # Single decisions.

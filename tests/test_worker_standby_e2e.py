@@ -72,13 +72,9 @@ async def test_standby_worker_registers_on_sigusr1_and_parks_on_sighup(
         wait_until(lambda: model_ready(base_url, MODEL), 20, interval=0.05, procs=procs)
         ready_after = time.monotonic() - t0
         assert _state(state_file) == ws.SERVING
-        registered_in = float(
-            re.search(
-                r"registered in ([0-9.]+) "
-                r"s",
-                worker.log(),
-            ).group(1)
-        )  # type: ignore[union-attr]
+        logged = re.search(r"registered in ([0-9.]+) s", worker.log())
+        assert logged is not None, worker.log()[-2000:]
+        registered_in = float(logged.group(1))
         assert registered_in < 1.0, worker.log()[-2000:]
         print(
             f"registered in {registered_in:.3f} s; the frontend served the model {ready_after:.2f} s after "

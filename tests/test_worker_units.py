@@ -722,7 +722,8 @@ def test_standby_options_are_read_before_argparse(tmp_path: Path) -> None:
     path = tmp_path / "state.json"
     control = StandbyControl(True, str(path))
     control.write(ws.STANDBY)
-    assert ws.read_state(path) is not None and ws.read_state(path).state == "standby"  # type: ignore[union-attr]
+    read = ws.read_state(path)
+    assert read is not None and read.state == "standby"
     control.gate_file = tmp_path / "registered"
     control.open_gate()
     assert control.gate_file.exists()

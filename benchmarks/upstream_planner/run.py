@@ -247,10 +247,11 @@ class Progress:
             progress.sim_s = float(result.get("now_ms", 0.0)) / 1000.0
             return original(self, result)
 
+        # Upstream's adapter has no hook for its ticks: its method is replaced for the run, then put back.
         ReplayPlannerAdapter.on_tick = on_tick  # type: ignore[method-assign]
 
         def undo() -> None:
-            ReplayPlannerAdapter.on_tick = original  # type: ignore[method-assign]
+            ReplayPlannerAdapter.on_tick = original  # type: ignore[method-assign]  # put back (see above)
 
         return undo
 
