@@ -173,7 +173,7 @@ async def bench_latency(samples: int) -> dict[str, Any]:
                 t1 = time.perf_counter()
                 d = await planner.tick()
                 t2 = time.perf_counter()
-                assert d.decode.signals["queued_decode_kv_tokens"] == 100 * q
+                assert d.decode.signals.queued_decode_kv_tokens == 100 * q
                 if i >= 5:  # first ones include connection set-up
                     to_book.append(t1 - t0)
                     lat.append(t2 - t0)

@@ -350,11 +350,12 @@ async def test_cards_give_capacity_and_a_worker_that_left_discovery_is_dropped()
         planner.book.ingest("decode", rec(wid, s_decode=2, s_decode_kv=4000), 0.0)
     planner.book.ingest("prefill", PREFILL, 0.0)
     d = await planner.tick()
-    assert d.decode.signals["loads"]["max"] == 0.8  # 4000 / 5000 from the card, not 10000 from config
+    loads = d.decode.signals.loads
+    assert loads is not None and loads.max == 0.8  # 4000 / 5000 from the card, not 10000 from config
     del cards.caps["d1"]
     t[0] = 1.0
     d = await planner.tick()
-    assert d.decode.signals["workers"] == 1  # dropped at once, not after stale_after_s
+    assert d.decode.signals.workers == 1  # dropped at once, not after stale_after_s
 
 
 def test_tui_render() -> None:

@@ -63,7 +63,7 @@ def test_slow_transfer_does_not_read_as_missing_decode_capacity() -> None:
     ]
     d, _ = decide(obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], decode), PolicyState(), cfg)
     assert d.decode.action == "hold", d.decode.reason
-    assert d.decode.signals["transfer_bound_engines"] == 1
+    assert d.decode.signals.transfer_bound_engines == 1
     assert d.prefill.action == "hold"
     # Same backlog but one request already waits for a slot: decode really is short.
     decode = [
@@ -92,14 +92,14 @@ def test_decode_slots_full_scales_decode_even_with_little_kv() -> None:
     o = type(o)(0.0, o.prefill, pool("decode", [full], capacity=slots))
     d, _ = decide(o, PolicyState(), cfg)
     assert d.decode.action == "scale_up" and "load 1.25 over 1" in d.decode.reason
-    assert d.decode.signals["slot_load_max"] == 1.25
+    assert d.decode.signals.slot_load_max == 1.25
     # The same short requests still in transfer, with free slots: transfer-bound, not a slot shortage.
     moving = rec(
         "d0", s_decode=10, s_decode_kv=500, q_decode=10, q_decode_kv=500, transfer=(10, 500), ready=(0, 0)
     )
     o = type(o)(0.0, o.prefill, pool("decode", [moving], capacity=slots))
     d, _ = decide(o, PolicyState(), cfg)
-    assert d.decode.action == "hold" and d.decode.signals["transfer_bound_engines"] == 1
+    assert d.decode.action == "hold" and d.decode.signals.transfer_bound_engines == 1
 
 
 def test_prefill_backlog_scales_prefill_not_decode() -> None:
@@ -110,7 +110,7 @@ def test_prefill_backlog_scales_prefill_not_decode() -> None:
     decode = [rec("d0", s_decode=4, s_decode_kv=3000)]
     d, _ = decide(obs(0.0, prefill, decode), PolicyState(), cfg)
     assert d.prefill.action == "scale_up" and d.prefill.desired == 2, d.prefill.reason
-    assert d.prefill.signals["queue_wait_s"] == pytest.approx(8000 / 25_600, abs=1e-3)
+    assert d.prefill.signals.queue_wait_s == pytest.approx(8000 / 25_600, abs=1e-3)
     short = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=2, q_prefill_tokens=1500)]
     d, _ = decide(obs(0.0, short, decode), PolicyState(), cfg)
     assert d.prefill.action == "hold", d.prefill.reason
@@ -196,7 +196,7 @@ def test_malformed_records_are_rejected_and_reported() -> None:
     o = book.observe(0.5)
     assert o.decode.rejected == 4 and o.decode.workers == 1
     d, _ = decide(o, PolicyState(), cfg)
-    assert d.decode.signals["rejected_records"] == 4
+    assert d.decode.signals.rejected_records == 4
     assert book.observe(0.6).decode.rejected == 0  # counted once
 
 
@@ -257,8 +257,8 @@ def test_sla_target_uses_online_regression() -> None:
     book.ingest("prefill", heartbeat("p0"), 4.0)
     d, _ = decide(book.observe(4.1), PolicyState(), cfg)
     assert d.decode.action == "scale_up", d.decode.reason
-    assert d.decode.signals["samples"] >= 39
-    assert d.decode.signals["itl_est_s"]["max"] == pytest.approx(0.005 + 16000 * 2e-6, rel=0.05)
+    assert d.decode.signals.samples >= 39
+    assert d.decode.signals.itl_est_s.max == pytest.approx(0.005 + 16000 * 2e-6, rel=0.05)
 
 
 def test_config_errors_name_the_key() -> None:
@@ -501,7 +501,7 @@ def test_one_decision_adds_what_the_load_needs() -> None:
     d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
     assert (d.decode.action, d.decode.desired) == ("scale_up", 4), d.decode.reason
     assert d.decode.sizing is not None and d.decode.sizing.needed == 4
-    assert d.decode.signals["demand"] == pytest.approx(3.4)
+    assert d.decode.signals.demand == pytest.approx(3.4)
     # ... bounded by max_replicas and by the per-action cap.
     d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), config(max_scale_up_step=2))
     assert d.decode.desired == 3
@@ -538,7 +538,47 @@ def test_startup_time_is_measured_from_action_to_first_record() -> None:
     both = [*decode, rec("d1", s_decode=1, s_decode_kv=100)]
     d, state = decide(obs(35.0, [heartbeat("p0")], both, decode_replicas=2), state, cfg)
     assert state.decode.startup_s == 35.0 and state.decode.startup_probe is None
-    assert d.decode.signals["lead_s"] == 35.0  # the next sizing looks 35 s ahead, not 60
+    assert d.decode.signals.lead_s == 35.0  # the next sizing looks 35 s ahead, not 60
+
+
+def test_startup_is_timed_for_the_ask_not_for_a_replica_already_starting() -> None:
+    """A second ask while the first one's replica still starts: that replica landing 10 s later is not
+    this ask's startup (on the slow wave it read 28 s on a 60 s cold start, and sized too little ahead)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+    hot = [rec("d0", s_decode=8, s_decode_kv=int(1.5 * KV))]
+    _, state = decide(obs(0.0, [heartbeat("p0")], hot), PolicyState(), cfg)
+    assert state.decode.in_flight is not None and state.decode.in_flight.target == 2
+    state = type(state)(state.prefill, type(state.decode)(**{**_fields(state.decode), "startup_probe": None}))
+    # 50 s later, load has grown: a new ask on top of the replica still starting.
+    hotter = [rec("d0", s_decode=8, s_decode_kv=int(3.0 * KV))]
+    d, state = decide(obs(50.0, [heartbeat("p0")], hotter, decode_replicas=2), state, cfg)
+    assert d.decode.action == "scale_up", d.decode.reason
+    assert state.decode.startup_probe == (50.0, 2)  # counted from running + starting, not from 1
+    # The first ask's replica lands at 60 s: not this ask's.
+    two = [*hotter, rec("d1", s_decode=1, s_decode_kv=100)]
+    _, state = decide(obs(60.0, [heartbeat("p0")], two, decode_replicas=d.decode.desired), state, cfg)
+    assert state.decode.startup_s is None and state.decode.startup_probe == (50.0, 2)
+    # This ask's first replica lands at 110 s: 60 s.
+    three = [*two, rec("d2", s_decode=1, s_decode_kv=100)]
+    _, state = decide(obs(110.0, [heartbeat("p0")], three, decode_replicas=d.decode.desired), state, cfg)
+    assert state.decode.startup_s == 60.0
+
+
+def test_a_steady_rise_under_the_down_threshold_holds_the_scale_down() -> None:
+    """A wave's upswing from its trough: the load is low and the straight-line projection still fits
+    fewer replicas, but it rises consistently: no replica is released (slow wave: 80.7% -> 90%)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=20.0, trend_window_s=40.0)
+    state = PolicyState()
+    actions = []
+    for i, t in enumerate(range(0, 45, 5)):
+        per = 0.02 + 0.01 * i  # 0.02 -> 0.09 of each of 6 engines: a projection well under 6 replicas
+        decode = [rec(f"d{k}", s_decode=1, s_decode_kv=int(per * KV)) for k in range(6)]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode, decode_replicas=6), state, cfg)
+        actions.append(d.decode.action)
+    assert d.decode.sizing is not None and d.decode.sizing.needed is not None
+    assert d.decode.sizing.needed < 6
+    assert "scale_down" not in actions, actions
+    assert "rising steadily" in d.decode.reason, d.decode.reason
 
 
 def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:

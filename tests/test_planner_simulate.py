@@ -221,3 +221,19 @@ def test_stats() -> None:
     assert direction_flips([(1, 2), (2, 4), (4, 3), (3, 5), (5, 5)]) == 2
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+
+
+def test_scripted_fleets_follow_their_schedule_and_bound_the_outcome(decode_shift: Path) -> None:
+    """The frontier baselines: a scripted fleet reaches its targets one cold start after asking, and
+    the clairvoyant one (ready on time) beats the reactive one (5 s late) on the decode shift."""
+    from dynamo.planner.sim.frontier import PhaseNeed, clairvoyant_script, reactive_script
+
+    needs = [PhaseNeed(0, 120, 1, 1), PhaseNeed(120, 420, 1, 2), PhaseNeed(420, 600, 1, 1)]
+    reactive = simulate(_spec(decode_shift), None, script=reactive_script(needs))
+    ups = [(a["t_s"], a["to"]) for a in reactive["actions"] if a["to"] > a["from"]]
+    assert ups == [(125.0, 2)] and reactive["summary"]["mode"] == "scripted"
+    ready = next(t["t_s"] for t in reactive["ticks"] if t["decode"]["active"] == 2)
+    assert 180.0 <= ready <= 190.0  # 60 s cold start after the ask
+    ahead = simulate(_spec(decode_shift), None, script=clairvoyant_script(needs, 60.0))
+    assert [(a["t_s"], a["to"]) for a in ahead["actions"] if a["to"] > a["from"]] == [(60.0, 2)]
+    assert ahead["summary"]["goodput_pct"] > reactive["summary"]["goodput_pct"] + 5

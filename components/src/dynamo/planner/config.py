@@ -160,9 +160,9 @@ class PlannerConfig:
     # ... and at most this many removed by one scale-down.
     scale_down_step: int = 1
     # Demand samples kept for the trend (its slope times the startup time is the growth sized for).
-    trend_window_s: float = 60.0
+    trend_window_s: float = 40.0
     # A trend this consistent (r squared of its line) may trigger a scale-up ahead of today's demand.
-    trend_min_r2: float = 0.8
+    trend_min_r2: float = 0.7
     # The projected growth is at most this many times today's demand.
     projection_cap: float = 2.0
     # Startup assumed until measured (seconds from a scale-up to the new replica's first record).

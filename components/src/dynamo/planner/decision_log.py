@@ -91,7 +91,7 @@ def entry(pd: PoolDecision, *, ts: float, tick: int, applied: bool, dry_run: boo
         "desired": pd.desired,
         "action": pd.action,
         "reason": pd.reason,
-        "signals": _clean(pd.signals),
+        "signals": _clean(pd.signals.as_dict()),
         "applied": applied,
         "dry_run": dry_run,
     }

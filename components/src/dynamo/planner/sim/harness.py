@@ -172,6 +172,47 @@ class PlannerPolicy:
             self.log.close()
 
 
+Script = Callable[[float], tuple[int, int]]
+
+
+class ScriptedPolicy:
+    """A fleet that follows a schedule (seconds -> prefill, decode targets): the frontier baselines.
+
+    No planner: the targets are written in advance (e.g. from each phase's measured need), so the
+    outcome shows what any policy that reaches those sizes at those times would get, cold starts and all.
+    """
+
+    def __init__(self, script: Script, spec: SimSpec, interval_s: float) -> None:
+        self.script = script
+        self.interval_s = interval_s
+        self.targets = dict(zip(POOLS, spec.initial, strict=True))
+        self.run = _Run()
+
+    def initial_tick_ms(self) -> float:
+        return self.interval_s * 1000.0
+
+    def on_tick(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        now = float(snapshot["now_ms"]) / 1000.0
+        wanted = dict(zip(POOLS, self.script(now), strict=True))
+        out: dict[str, Any] = {"next_tick_ms": float(snapshot["now_ms"]) + self.interval_s * 1000.0}
+        row: dict[str, Any] = {"t_s": round(now, 3)}
+        for pool in POOLS:
+            target = max(int(wanted[pool]), 1)
+            send = None
+            if target != self.targets[pool]:
+                self.run.actions.append(
+                    {"t_s": round(now, 3), "pool": pool, "from": self.targets[pool], "to": target}
+                )
+                self.targets[pool] = send = target
+            out[f"target_{pool}"] = send
+            active = len(snapshot.get(f"active_{pool}_ids", ()))
+            starting = len(snapshot.get(f"starting_{pool}_ids", ()))
+            draining = len(snapshot.get(f"draining_{pool}_ids", ()))
+            row[pool] = {"active": active, "starting": starting, "draining": draining, "desired": target}
+        self.run.ticks.append(row)
+        return out
+
+
 def _empty(snap: Mapping[str, Any]) -> bool:
     """A snapshot with no pass time and nothing scheduled or queued (the mocker's "no pass")."""
     return not snap.get("wall_time") and not any(
@@ -319,10 +360,16 @@ def simulate(
     *,
     decision_log: str | None = None,
     progress: bool = False,
+    script: Script | None = None,
 ) -> dict[str, Any]:
-    """One run (planner, or ``spec.static``); returns ``{"summary", "ticks", "actions", "requests"}``."""
+    """One run (planner, ``spec.static``, or a ``script`` of targets over time); returns
+    ``{"summary", "ticks", "actions", "requests"}``."""
     t0 = time.perf_counter()
-    if spec.static is not None:
+    if script is not None:
+        scripted = ScriptedPolicy(script, spec, cfg.interval_s if cfg is not None else 5.0)
+        result = _replay(spec, spec.initial, scripted, None)
+        run = scripted.run
+    elif spec.static is not None:
         fleet = spec.static
         interval = cfg.interval_s if cfg is not None else 5.0
         result = _replay(spec, fleet, None, interval * 1000.0)
@@ -354,4 +401,6 @@ def simulate(
         wall_s=wall,
         planner_wall_s=run.planner_wall_s,
     )
+    if script is not None:
+        summary["mode"] = "scripted"
     return {"summary": summary, "ticks": run.ticks, "actions": run.actions, "requests": requests}

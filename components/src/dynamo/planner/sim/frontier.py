@@ -1,0 +1,131 @@
+"""What a scenario allows at a given cold start: fleets scripted from each phase's measured need.
+
+A planner is judged against what is possible, not against 100%. For a scenario made of phases, each
+phase's need is measured on its own (the cheapest prefill count with decode ample, and the reverse,
+each reaching the goodput target on that phase's requests alone, on a fleet ready from the start).
+Two scripted fleets then follow those needs through the whole trace, cold starts and all:
+
+- **reactive**: a pool grows ``reaction_s`` after a phase that needs more begins (the earliest a planner
+  that sees the load could ask) and shrinks when the phase begins -- the best any reactive policy can do
+  with right-sized steps;
+- **clairvoyant**: a pool grows one cold start before the phase begins, so its replicas are ready on
+  time -- what perfect foresight gets, the ceiling.
+
+Neither over-provisions to drain a backlog, so a real planner can beat the reactive one by adding extra
+replicas; the clairvoyant one is the upper bound of right-sized fleets.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .harness import SimSpec, simulate
+from .scenarios import Scenario, requests
+
+AMPLE = 16  # replicas of the other pool while one pool's need is searched
+
+
+@dataclass(frozen=True)
+class PhaseNeed:
+    start_s: float
+    end_s: float
+    prefill: int
+    decode: int
+
+
+def _ms(request: dict[str, object]) -> float:
+    value = request["timestamp"]
+    assert isinstance(value, int | float)
+    return float(value)
+
+
+def _cheapest(ok: Callable[[int], bool], max_n: int) -> int:
+    """Smallest n in [1, max_n] with ok(n) (ok is monotone); max_n if none."""
+    if ok(1):
+        return 1
+    lo, hi = 1, 2
+    while hi < max_n and not ok(hi):
+        lo, hi = hi, min(hi * 2, max_n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def phase_needs(
+    scenario: Scenario, spec: SimSpec, seed: int = 0, target_pct: float = 95.0, max_n: int = 64
+) -> list[PhaseNeed]:
+    """Each phase's (prefill, decode) need, measured on that phase's requests alone (cold start 0)."""
+    all_requests = list(requests(scenario, seed))
+    out: list[PhaseNeed] = []
+    start = 0.0
+    with tempfile.TemporaryDirectory(prefix="dynamo-frontier-") as tmp:
+        for i, phase in enumerate(scenario.phases):
+            end = start + phase.duration_s
+            rows = [r for r in all_requests if start * 1000.0 <= _ms(r) < end * 1000.0]
+            if not rows:
+                out.append(PhaseNeed(start, end, 1, 1))
+                start = end
+                continue
+            path = Path(tmp) / f"phase-{i}.jsonl"
+            with path.open("w", encoding="utf-8") as f:
+                for r in rows:
+                    shifted = dict(r, timestamp=round(_ms(r) - start * 1000.0, 3))
+                    f.write(json.dumps(shifted, separators=(",", ":")) + "\n")
+            base = replace(spec, traces=(str(path),), trace_duration_s=phase.duration_s, initial=(1, 1))
+
+            def ok(fleet: tuple[int, int], base: SimSpec = base) -> bool:
+                s = simulate(replace(base, static=fleet), None)["summary"]
+                return float(s["goodput_pct"]) >= target_pct
+
+            p = _cheapest(lambda n: ok((n, AMPLE)), max_n)
+            d = _cheapest(lambda n: ok((AMPLE, n)), max_n)
+            out.append(PhaseNeed(start, end, p, d))
+            start = end
+    return out
+
+
+def _phase_at(needs: list[PhaseNeed], t: float) -> PhaseNeed:
+    for n in needs:
+        if t < n.end_s:
+            return n
+    return needs[-1]
+
+
+def reactive_script(needs: list[PhaseNeed], reaction_s: float = 5.0) -> Callable[[float], tuple[int, int]]:
+    """Grow ``reaction_s`` after a phase begins, shrink when it begins."""
+
+    def script(t: float) -> tuple[int, int]:
+        now, before = _phase_at(needs, t), _phase_at(needs, max(t - reaction_s, 0.0))
+        return min(now.prefill, before.prefill), min(now.decode, before.decode)
+
+    return script
+
+
+def clairvoyant_script(needs: list[PhaseNeed], startup_s: float) -> Callable[[float], tuple[int, int]]:
+    """Grow one cold start before a phase begins (ready on time), shrink when it begins."""
+
+    def script(t: float) -> tuple[int, int]:
+        # Every phase that starts within one cold start, not only the one at its end (a short burst).
+        soon = [n for n in needs if n.end_s > t and n.start_s <= t + startup_s] or [needs[-1]]
+        return max(n.prefill for n in soon), max(n.decode for n in soon)
+
+    return script
+
+
+def frontier(
+    scenario: Scenario, spec: SimSpec, needs: list[PhaseNeed], reaction_s: float = 5.0
+) -> dict[str, dict[str, Any]]:
+    """The reactive and clairvoyant scripted fleets' summaries on the scenario at ``spec``'s cold start."""
+    return {
+        "reactive": simulate(spec, None, script=reactive_script(needs, reaction_s))["summary"],
+        "clairvoyant": simulate(spec, None, script=clairvoyant_script(needs, spec.startup_time_s))["summary"],
+    }
