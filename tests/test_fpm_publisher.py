@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from dynamo.common import nats_fast_path
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, is_heartbeat
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 from dynamo.common.fpm_subjects import FPM_TOPIC, fpm_subject
@@ -36,7 +37,15 @@ def make_pub(url: str, **kw: Any) -> FpmDirectPublisher:
     return FpmDirectPublisher(namespace=NS, component="backend", nats_url=url, **kw)
 
 
-async def test_round_trip_every_field_and_envelope(nats_server: EmbeddedNatsServer) -> None:
+@pytest.fixture(params=["fast", "plain"])
+def write_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways to NATS: the private-internals fast path and the public-API fallback (nats_fast_path)."""
+    if request.param == "plain":
+        monkeypatch.setattr(nats_fast_path, "PLAIN_ONLY", True)
+    return str(request.param)
+
+
+async def test_round_trip_every_field_and_envelope(nats_server: EmbeddedNatsServer, write_path: str) -> None:
     col = await Collector(nats_server.url, fpm_subject(NS, "backend")).start()
     pub = make_pub(nats_server.url, dp_rank=2, heartbeat_interval=60)
     try:
@@ -44,6 +53,7 @@ async def test_round_trip_every_field_and_envelope(nats_server: EmbeddedNatsServ
         for rec in sent:
             pub.publish(rec)
         assert await wait_until(lambda: len(col.items) >= 5)
+        assert pub._writer is not None and pub._writer.mode == ("direct" if write_path == "fast" else "plain")
     finally:
         pub.close()
         await col.stop()
@@ -164,7 +174,27 @@ async def test_heartbeat_only_when_nothing_was_sent(nats_server: EmbeddedNatsSer
     assert sum(is_heartbeat(r) for r in col.records()[1:]) == 0
 
 
-async def test_overflow_drops_oldest_and_counts_exactly(fresh_nats_server: EmbeddedNatsServer) -> None:
+def test_fast_path_only_on_tested_nats_py_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The private internals are used only by the nats-py versions they were checked against."""
+
+    class TcpTransport:  # the class name nats-py's plain TCP transport has
+        pass
+
+    class Client:
+        _transport = TcpTransport()
+        is_connected = True
+
+    assert nats_fast_path.nats_py_version() is not None  # the installed one is known
+    for version, mode in (((2, 16), "direct"), ((2, 9), "direct"), ((2, 17), "plain"), ((2, 8), "plain")):
+        monkeypatch.setattr(nats_fast_path, "nats_py_version", lambda v=version: v)
+        assert nats_fast_path.FrameWriter(Client(), "s").mode == mode, version
+    monkeypatch.setattr(nats_fast_path, "nats_py_version", lambda: None)
+    assert nats_fast_path.FrameWriter(Client(), "s").mode == "plain"
+
+
+async def test_overflow_drops_oldest_and_counts_exactly(
+    fresh_nats_server: EmbeddedNatsServer, write_path: str
+) -> None:
     url = fresh_nats_server.url
     fresh_nats_server.stop()  # nothing can leave: the queue must overflow
     pub = make_pub(url, max_queue=100, heartbeat_interval=60)
@@ -387,7 +417,7 @@ def test_publish_cost_is_a_deque_append() -> None:
     assert samples[len(samples) // 2] < 2000  # ns per call; the benchmark measures the real figure
 
 
-def test_flood_does_not_starve_the_sender(nats_server: EmbeddedNatsServer) -> None:
+def test_flood_does_not_starve_the_sender(nats_server: EmbeddedNatsServer, write_path: str) -> None:
     """A caller that never releases the GIL: the sender still gets turns, and every record is accounted."""
     pub = make_pub(nats_server.url, heartbeat_interval=60)
     deadline = time.monotonic() + 10

@@ -17,6 +17,7 @@ import sys
 from typing import Any, NoReturn
 
 from dynamo.common.cli_setup import add_version_flag, loopback_by_default, setup_logging
+from dynamo.common.event_plane import default_event_plane
 
 log = logging.getLogger("dynamo.frontend")
 
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.migration_limit < 0:
         build_parser().error("--migration-limit must be >= 0")
     if args.event_plane is None:
-        args.event_plane = "nats" if os.environ.get("NATS_SERVER") else "zmq"
+        args.event_plane = default_event_plane()
     return args
 
 

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--nats-url", help="NATS server (default: env NATS_SERVER, else nats://localhost:4222)")
     run.add_argument(
+        "--event-plane",
+        choices=["nats", "zmq"],
+        help="event plane of the FPM records and the runtime "
+        "(default: env DYN_EVENT_PLANE, else nats if NATS_SERVER or --nats-url is set, else zmq)",
+    )
+    run.add_argument(
         "--tui",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -164,6 +170,7 @@ def effective_config(args: argparse.Namespace, translation: Translation | None =
         "metrics_port",
         "metrics_host",
         "nats_url",
+        "event_plane",
         "tui",
     ):
         v = getattr(args, key, None)
@@ -227,13 +234,14 @@ def make_runtime(cfg: PlannerConfig, loop: asyncio.AbstractEventLoop) -> Any:
             raise ConnectionError(
                 f"etcd not reachable at {etcd} (set ETCD_ENDPOINTS, or discovery_backend: file)"
             )
-    if cfg.event_plane == "nats":
+    plane = cfg.resolved_event_plane(dict(os.environ))
+    if plane == "nats":
         nats = os.environ.get("NATS_SERVER", "nats://localhost:4222")
         if not _reachable(nats, 4222):
             raise ConnectionError(f"NATS not reachable at {nats} (set NATS_SERVER or --nats-url)")
     from dynamo.runtime import DistributedRuntime
 
-    return DistributedRuntime(loop, discovery, cfg.request_plane, event_plane=cfg.event_plane)
+    return DistributedRuntime(loop, discovery, cfg.request_plane, event_plane=plane)
 
 
 async def build_connector(cfg: PlannerConfig, runtime: Any) -> Any:
@@ -289,7 +297,13 @@ async def run_planner(
     with contextlib.suppress(NotImplementedError, RuntimeError):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    needs_runtime = cfg.connector == "virtual" and not cfg.dry_run
+    try:
+        plane = cfg.resolved_event_plane(dict(os.environ))
+    except ValueError as exc:
+        print(f"dynamo.planner: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    # On the ZMQ plane the FPM records come through the runtime's subscriber: no runtime, no records.
+    needs_runtime = (cfg.connector == "virtual" and not cfg.dry_run) or plane == "zmq"
     runtime = None
     if needs_runtime or cfg.use_model_cards:
         try:
@@ -329,6 +343,9 @@ async def run_planner(
         nats_url=cfg.nats_url,
         stale_after=cfg.stale_after_s,
         max_engines=cfg.max_engines,
+        event_plane=plane,
+        runtime=runtime,
+        components=(cfg.prefill_component, cfg.decode_component),
     )
     tracker.add_listener(planner.on_record)
     planner.transport = tracker.transport
@@ -339,8 +356,9 @@ async def run_planner(
             print(f"dynamo.planner: error: {exc}", file=sys.stderr)
             return EXIT_SERVICE
         logger.info(
-            "planner on namespace %s, connector %s%s",
+            "planner on namespace %s (FPM on the %s event plane), connector %s%s",
             cfg.namespace,
+            plane,
             connector.name,
             " (dry run)" if cfg.dry_run else "",
         )

@@ -12,9 +12,12 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
+from dynamo.common.event_plane import resolve_event_plane
+
 Target = Literal["throughput", "latency", "load", "sla"]
 ConnectorName = Literal["virtual", "local", "kubernetes"]
 ScaleVia = Literal["auto", "adapter", "dgd"]
+EventPlaneName = Literal["nats", "zmq"]
 
 
 class ConfigError(ValueError):
@@ -189,10 +192,12 @@ class PlannerConfig:
     use_model_cards: bool = True
     # Dynamo runtime used for model cards and the virtual connector: discovery backend ("etcd" or
     # "file", which keeps its state in DYN_FILE_KV; None = env DYN_DISCOVERY_BACKEND, else etcd for
-    # the virtual connector and file otherwise), request plane and event plane.
+    # the virtual connector and file otherwise), request plane and event plane. The event plane also
+    # carries the FPM records (None = env DYN_EVENT_PLANE, else nats if NATS_SERVER is set, else zmq:
+    # dynamo.common.event_plane, the workers' rule).
     discovery_backend: str | None = None
     request_plane: str = "tcp"
-    event_plane: str = "nats"
+    event_plane: EventPlaneName | None = None
     connector: ConnectorName = "virtual"
     dry_run: bool = False
     local: LocalConfig = field(default_factory=LocalConfig)
@@ -215,6 +220,11 @@ class PlannerConfig:
 
     def pool(self, name: str) -> PoolConfig:
         return self.prefill if name == "prefill" else self.decode
+
+    def resolved_event_plane(self, env: dict[str, str]) -> str:
+        if self.nats_url and not self.event_plane and not env.get("DYN_EVENT_PLANE"):
+            return "nats"  # a NATS server was named on the command line or in the config
+        return resolve_event_plane(self.event_plane, env)
 
     def resolved_discovery(self, env: dict[str, str]) -> str:
         if self.discovery_backend:

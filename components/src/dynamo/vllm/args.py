@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from dynamo.common import event_plane
 from dynamo.common.cli_setup import add_version_flag
 from dynamo.common.fpm_subjects import (
     DECODE_COMPONENT,
@@ -110,8 +111,8 @@ def _env_bool(name: str, default: bool) -> bool:
 
 
 def default_event_plane() -> str:
-    """NATS when a NATS server is configured (FPM needs it anyway), otherwise ZMQ (no server needed)."""
-    return "nats" if os.environ.get("NATS_SERVER") else "zmq"
+    """NATS when a NATS server is configured, otherwise ZMQ: the one rule of ``dynamo.common.event_plane``."""
+    return event_plane.default_event_plane()
 
 
 def component_for_mode(mode: str) -> str:

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo.common.event_plane import ENV_FPM_PORT
 from dynamo.vllm.args import INSTRUMENTED_SCHEDULER, WorkerConfig
 from dynamo.vllm.cpu_host.env_defaults import cpu_environment
 
@@ -61,9 +62,14 @@ def choose_scheduler(user_scheduler: str | None, fpm_requested: bool, available:
 
 
 def fpm_environment(
-    config: WorkerConfig, worker_id: str, fpm_enabled: bool, stats_dir: str
+    config: WorkerConfig, worker_id: str, fpm_enabled: bool, stats_dir: str, zmq_port: int | None = None
 ) -> dict[str, str]:
-    """Environment the InstrumentedScheduler reads in the EngineCore process (one stream per dp rank)."""
+    """Environment the InstrumentedScheduler reads in the EngineCore process (one stream per dp rank).
+
+    ``zmq_port`` set: the engine publishes for the worker's FpmEventRelay on the ZMQ event plane
+    (``DYN_FORWARDPASS_METRIC_PORT``); the caller removes that variable from the engine's environment
+    otherwise, so that the engine publishes on NATS.
+    """
     env = {
         "DYN_NAMESPACE": config.namespace,
         "DYN_FPM_COMPONENT": config.component,
@@ -75,6 +81,8 @@ def fpm_environment(
     nats = os.environ.get("NATS_SERVER")
     if nats:
         env["NATS_SERVER"] = nats
+    if zmq_port is not None:
+        env[ENV_FPM_PORT] = str(zmq_port)
     return env
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo.common.event_plane import fpm_port_from_env
 from dynamo.common.fpm_subjects import DECODE_COMPONENT, DEFAULT_ENDPOINT, DEFAULT_NAMESPACE
 from dynamo.vllm.env_values import flag, number
 
@@ -66,6 +67,9 @@ class FpmSettings:
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     audit_interval: float = DEFAULT_AUDIT_INTERVAL
     queue_accounting: str = "auto"
+    # DYN_FORWARDPASS_METRIC_PORT (upstream's): set = the ZMQ event plane, PUB on this port + dp_rank for the
+    # worker's FpmEventRelay; unset = publish on NATS directly.
+    zmq_port: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FpmSettings:
@@ -91,6 +95,7 @@ class FpmSettings:
             ),
             audit_interval=number(env, ENV_AUDIT_INTERVAL, DEFAULT_AUDIT_INTERVAL, what=SECONDS),
             queue_accounting=mode,
+            zmq_port=fpm_port_from_env(env),
         )
 
     def resolved_worker_id(self) -> str:

@@ -175,20 +175,25 @@ class FpmInstrumentation:
         )
 
     def _fpm_make_publisher(self, settings: FpmSettings, worker_id: str, dp_rank: int) -> Any:
-        """The publisher (overridable in tests)."""
+        """The publisher (overridable in tests): ZMQ PUB for the worker's relay when a port is set, else NATS."""
         from dynamo.common.fpm_publisher import FpmDirectPublisher
 
-        return FpmDirectPublisher(
+        common: dict[str, Any] = dict(
             namespace=settings.namespace,
             component=settings.component,
             endpoint=settings.endpoint,
             worker_id=worker_id,
             dp_rank=dp_rank,
-            nats_url=settings.nats_url,
             heartbeat_interval=settings.heartbeat_interval,
             stats_file=settings.stats_file_for(dp_rank),
             gate_file=settings.gate_file,
         )
+        if settings.zmq_port is not None:
+            from dynamo.common.event_plane import zmq_fpm_endpoint
+            from dynamo.common.fpm_zmq_publisher import FpmZmqPublisher
+
+            return FpmZmqPublisher(zmq_endpoint=zmq_fpm_endpoint(settings.zmq_port, dp_rank), **common)
+        return FpmDirectPublisher(nats_url=settings.nats_url, **common)
 
     # --------------------------------------------------------------- queued state
     def _fpm_unknown_status(self, name: str) -> None:

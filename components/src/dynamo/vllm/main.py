@@ -35,6 +35,7 @@ from dynamo.vllm.cpu_host import env_defaults, shm_wait
 from dynamo.vllm.drain import DrainReport, ExitCode, InflightTracker, drain, held_kv_reader
 from dynamo.vllm.fpm_env import ENV_GATE_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
+from dynamo.vllm.fpm_relay import ENV_FPM_PORT, fpm_zmq_port, start_relays, stop_relays
 from dynamo.vllm.handlers import RequestHandler
 from dynamo.vllm.health import (
     HEALTH_CHECK_PAYLOAD,
@@ -122,6 +123,8 @@ class WorkerRun:
         self.worker_id = ""
         self.stats_dir: str | None = None
         self.fpm_env: dict[str, str] = {}
+        self.fpm_port: int | None = None  # the ZMQ event plane's port, None: the engine publishes on NATS
+        self.relays: list[Any] = []
         self.held_kv: Callable[[float], int | None] | None = None
         self.metrics: WorkerMetrics | None = None
         self.gate: asyncio.Task[None] | None = None
@@ -157,11 +160,21 @@ class WorkerRun:
         self.worker_id = str(self.endpoint.connection_id())
         self.control.worker_id = self.worker_id
 
-    def export_fpm_environment(self) -> None:
-        """What the InstrumentedScheduler reads in the engine process, and the engine hooks' owner pid."""
+    def export_fpm_environment(self) -> bool:
+        """What the InstrumentedScheduler reads in the engine process, and the engine hooks' owner pid; False
+        (said on stderr) when the ZMQ event plane's port is unusable."""
         config = self.config
         self.stats_dir = eng.make_stats_dir()
-        self.fpm_env = eng.fpm_environment(config, self.worker_id, config.fpm_enabled, self.stats_dir)
+        try:
+            self.fpm_port = fpm_zmq_port(config.event_plane, config.fpm_enabled, os.environ)
+        except ValueError as exc:
+            print(f"dynamo.vllm: error: {exc}", file=sys.stderr)
+            return False
+        if self.fpm_port is None:
+            os.environ.pop(ENV_FPM_PORT, None)  # the engine publishes on NATS directly
+        self.fpm_env = eng.fpm_environment(
+            config, self.worker_id, config.fpm_enabled, self.stats_dir, self.fpm_port
+        )
         if config.standby:  # no FPM heartbeats until registered: a standby is no pool member
             self.control.gate_file = gate_path(self.stats_dir)
             self.fpm_env[ENV_GATE_FILE] = str(self.control.gate_file)
@@ -173,8 +186,9 @@ class WorkerRun:
             self.worker_id,
             config.endpoint_path,
             config.disaggregation_mode,
-            "on" if config.fpm_enabled else "off",
+            f"on ({config.event_plane} event plane)" if config.fpm_enabled else "off",
         )
+        return True
 
     def start_metrics(self) -> None:
         """The worker's Prometheus metrics (runtime endpoint and optional port) and the transport gate."""
@@ -223,9 +237,11 @@ class WorkerRun:
             print(f"dynamo.vllm: error: engine failed to start: {_one_line(exc)}", file=sys.stderr)
             return False
         engine = self.engine
-        self.capacity = eng.engine_capacity(
-            engine.vllm_config, eng.summed_engines(engine.vllm_config.parallel_config, engine)
-        )
+        local_engines = eng.summed_engines(engine.vllm_config.parallel_config, engine)
+        self.capacity = eng.engine_capacity(engine.vllm_config, local_engines)
+        if self.fpm_port is not None:  # after the engine start: its PUB sockets are bound by now
+            start = self.capacity.data_parallel_start_rank
+            self.relays = start_relays(self.endpoint, self.fpm_port, range(start, start + local_engines))
         model_config = engine.vllm_config.model_config
         self.handler = RequestHandler(
             engine,
@@ -393,9 +409,10 @@ class WorkerRun:
 
     async def close(self) -> None:
         """Clean-up on every way out: keep-alive first (never write entries back after the runtime deleted
-        them), engine, runtime, serving task, gate, metrics, the stats folder."""
+        them), FPM relays, engine, runtime, serving task, gate, metrics, the stats folder."""
         if self.keepalive is not None:
             self.keepalive.stop()
+        stop_relays(self.relays)
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 self.engine.shutdown()
@@ -423,7 +440,8 @@ async def serve(config: WorkerConfig, vllm_config: Any, control: StandbyControl 
     if not nats_ok(config):
         return ExitCode.STARTUP_FAILED
     run.connect_runtime()
-    run.export_fpm_environment()
+    if not run.export_fpm_environment():
+        return ExitCode.STARTUP_FAILED
     run.start_metrics()
     try:
         if not run.start_engine():

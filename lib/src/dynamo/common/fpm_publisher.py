@@ -1,19 +1,19 @@
 """Direct NATS publisher for FPM records, made for the vLLM scheduler thread.
 
-``publish()`` is a ``deque.append`` plus one flag test: no syscall, no lock, never a GIL release,
-never a wait on the network. A wake-up that releases the GIL (a pipe write, ``queue.Queue.put``'s
-notify, a Rust call with ``allow_threads``) can cost the caller a whole 5 ms switch interval when a
-busy thread runs beside it, so the hand-off avoids it:
+``publish()`` is a ``deque.append``, one stored counter and one flag test: no lock, never a GIL
+release, never a wait on the network. A wake-up that releases the GIL (a pipe write,
+``queue.Queue.put``'s notify, a Rust call with ``allow_threads``) can cost the caller a whole 5 ms switch
+interval when a busy thread runs beside it, so the hand-off avoids it:
 
-* while records flow, a background thread (owning an asyncio loop on a ``select`` selector, which
-  honours sub-millisecond timeouts, and the nats-py connection) *polls* the queue every 0.15 ms
-  and drains it in one batch: every record is encoded into one buffer written to the socket at once.
-  Polls are plain sleeps (with 1 µs timer slack), with an event-loop turn (nats-py's reads, PINGs)
-  at least every 5 ms. 2 ms after the last record the poll period doubles up to 2 ms, so an
-  engine stepping every few milliseconds never has to wake the sender;
-* after 1 s without records it *parks* on a lock (GIL released, no CPU); only the first
-  ``publish()`` after such an idle spell wakes it, with ``Lock.release()``, which does not release
-  the caller's GIL either.
+* a background thread (owning an asyncio loop on a ``select`` selector and the nats-py connection)
+  drains the queue in one batch whenever it runs: every record is encoded into one buffer written to
+  the socket at once (``nats_fast_path``);
+* between batches it *parks* on a lock (GIL released, no CPU); a ``publish()`` that finds it parked
+  wakes it with ``Lock.release()``, which does not release the caller's GIL (a futex wake, and only
+  when the sender is parked: in a flood it is busy and the calls cost nothing more). While records
+  flow the park ends at least every 5 ms for an event-loop turn (nats-py's reads, PINGs); idle, every
+  0.1 s. This replaced a 0.15 ms poll, whose average 75 µs wait made our publish-to-receive latency
+  1.2-1.4x the runtime's at the median (docs/fpm-core.md has the figures).
 
 Overflow policy: the queue keeps the newest ``max_queue`` records and drops the oldest. The sender
 counts the drops from the arrival counter (arrivals = sent + dropped + queued) and leaves matching
@@ -51,9 +51,9 @@ from dynamo.common.fpm_subjects import (
     DEFAULT_ENDPOINT,
     FPM_TOPIC,
     EventEnvelope,
-    encode_envelope,
     fpm_subject,
 )
+from dynamo.common.nats_fast_path import FrameWriter
 from dynamo.common.nats_options import (
     nats_connect_options_from_env,
     nats_servers,
@@ -65,17 +65,14 @@ from dynamo.common.transport_state import TransportState
 
 logger = logging.getLogger(__name__)
 
-# Sender timing (seconds). Fast polls while records flow keep publish-to-receive latency well under
-# a millisecond; the back-off keeps an idle engine's sender near zero CPU.
-POLL_ACTIVE = 0.00015  # while records flow (within ACTIVE_LINGER of the last one)
-ACTIVE_LINGER = 0.002
-POLL_WARM_MAX = 0.002  # then the poll period doubles up to this
-PARK_AFTER = 1.0  # after this long without records the sender parks until publish() wakes it
-PARK_MAX = 0.1  # longest the sender blocks its event loop while parked
+# Sender timing (seconds). Between batches the sender parks until publish() wakes it or a timer is due.
+POLL_ACTIVE = 0.00015  # while closing (draining the queue before the deadline)
+PARK_AFTER = 1.0  # after this long without records the parks last up to PARK_MAX ...
+PARK_MAX = 0.1  # ... the longest the sender leaves its event loop (nats-py's I/O) unattended when idle
 POLL_IDLE = 0.01  # while NATS is down
-LOOP_EVERY = 0.005  # polls between event-loop turns are plain sleeps; a loop turn at least this often
+LOOP_EVERY = 0.005  # while records flow: an event-loop turn at least this often
 BATCH_MAX = 8192  # one turn can send a whole default-size queue
-BACKLOG = 64  # this many queued after a drain: skip the poll sleep
+BACKLOG = 64  # this many queued after a drain: drain again at once, no park
 STATS_FILE_INTERVAL = 1.0
 CONNECT_TIMEOUT = 2
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
@@ -153,11 +150,12 @@ class FpmDirectPublisher:
         self.gate_file = gate_file
         self.publisher_id = _new_publisher_id()
         self._pub_head = f"PUB {self.subject} ".encode()
-        self._raw_frames = True  # set per connection: does this nats-py have the internals we use?
-        self._direct = False  # set per connection: a plain TCP transport we may write to directly
+        self._writer: FrameWriter | None = None  # set per connection (nats_fast_path)
+        self._direct = False  # set per connection: no flusher task to yield to after a write
         # Hot path state: publish() touches only the queue, the arrival counter and the park flag.
         self._q: collections.deque[Any] = collections.deque(maxlen=max_queue)
-        self._arrivals = itertools.count()  # next() once per publish(), after the append
+        self._arrivals = itertools.count(1)  # next() once per publish(), after the append ...
+        self._arrived_n = 0  # ... whose value publish() stores here: the records handed over so far
         self._idle_record: ForwardPassMetrics | None = ForwardPassMetrics(
             worker_id=worker_id, dp_rank=dp_rank, wall_time=0.0
         )
@@ -174,9 +172,7 @@ class FpmDirectPublisher:
         self._heartbeats = 0
         self._reconnects = 0
         self._connected = False
-        self._transport = TransportState(
-            logger, f"FPM publisher {worker_id}/{dp_rank}", redact_url(self.nats_url)
-        )
+        self._transport = TransportState(logger, f"FPM publisher {worker_id}/{dp_rank}", self._peer())
         self._last_error: str | None = None
         self._warn = RateLimitedWarning(logger, f"FPM publisher {worker_id}/{dp_rank} dropped a record")
         self._closing = False
@@ -194,7 +190,7 @@ class FpmDirectPublisher:
     def publish(self, record: ForwardPassMetrics) -> None:
         """Hand a record over; never raises, never blocks (drop-oldest when the queue is full)."""
         self._q.append(record)
-        next(self._arrivals)
+        self._arrived_n = next(self._arrivals)
         if self._parked:  # only the first record after an idle spell wakes the sender
             self._unpark()
 
@@ -247,11 +243,13 @@ class FpmDirectPublisher:
 
     # ----------------------------------------------------------------- sender thread
     def _arrived(self) -> int:
-        """How many records publish() has handed over (the counter's value, read without a step)."""
-        try:
-            return int(repr(self._arrivals)[6:-1])  # "count(N)"
-        except ValueError:  # an interpreter with another repr: drops then show only as queue gaps
-            return self._taken + self._overflow + len(self._q)
+        """How many records publish() has handed over.
+
+        ``next()`` on the counter is atomic under the GIL and its value is stored after the append, so the
+        figure never runs ahead of the queue. With several threads calling ``publish()`` an older value may
+        be stored after a newer one: the figure can then only be low (drops undercounted, never invented).
+        """
+        return self._arrived_n
 
     def _overflow_now(self) -> int:
         """Drops by the full queue so far. Read in this order, a publish() in flight can only make
@@ -282,11 +280,10 @@ class FpmDirectPublisher:
                 self._connected = False
 
     async def _main(self) -> None:
-        conn = _Connection(self)
+        conn = self._new_connection()
         conn_task = asyncio.ensure_future(conn.run())
         next_stats = 0.0
         last_sent = last_record = last_io = time.monotonic()
-        poll = POLL_ACTIVE
         try:
             while True:
                 now = time.monotonic()
@@ -320,24 +317,18 @@ class FpmDirectPublisher:
                 if nc is None or self._closing:
                     await asyncio.sleep(POLL_ACTIVE if self._closing else POLL_IDLE)
                     continue
-                if quiet < PARK_AFTER:
-                    # Records flowed recently: poll (no wake-up ever costs the caller anything).
-                    poll = POLL_ACTIVE if quiet < ACTIVE_LINGER else min(POLL_WARM_MAX, poll * 2)
-                    if now - last_io < LOOP_EVERY:
-                        time.sleep(poll)  # a lean poll: half the CPU of an event-loop turn
-                    else:
-                        await asyncio.sleep(poll)  # let nats-py read and write (PINGs, errors)
-                        last_io = now
-                    continue
-                # Idle for a while: park this thread (GIL released, no CPU) until publish() wakes it
-                # or the next timer (heartbeat, stats file, PARK_MAX for nats-py's own I/O) is due.
-                due = PARK_MAX
+                # Park this thread (GIL released, no CPU) until publish() wakes it or the next timer is
+                # due: heartbeat, stats file, and nats-py's own I/O (PINGs, errors): at least every
+                # LOOP_EVERY while records flow, every PARK_MAX when idle.
+                due = LOOP_EVERY - (now - last_io) if quiet < PARK_AFTER else PARK_MAX
                 if self._idle_record is not None:
                     due = min(due, last_sent + self.heartbeat_interval - now)
                 if self.stats_file:
                     due = min(due, next_stats - now)
                 self._park(due)
-                await asyncio.sleep(0)  # socket events that arrived while parked
+                if time.monotonic() - last_io >= LOOP_EVERY or quiet >= PARK_AFTER:
+                    await asyncio.sleep(0)  # socket events that arrived while parked
+                    last_io = time.monotonic()
             await conn.flush_and_close(max(0.05, self._close_deadline - time.monotonic()))
         finally:
             conn_task.cancel()
@@ -352,6 +343,14 @@ class FpmDirectPublisher:
                 self._q.popleft()
             if self.stats_file:
                 self._write_stats_file()
+
+    def _new_connection(self) -> Any:
+        """The transport's connection keeper (``run``, ``nc``, ``flush_and_close``): NATS here."""
+        return _Connection(self)
+
+    def _peer(self) -> str:
+        """The transport's address as it appears in log lines."""
+        return redact_url(self.nats_url)
 
     def _park(self, timeout: float) -> None:
         """Block the sender until ``publish()`` unparks it or ``timeout`` passes."""
@@ -371,7 +370,7 @@ class FpmDirectPublisher:
             self._wake.release()
 
     async def _drain(self, nc: Any) -> None:
-        """Publish up to BATCH_MAX queued records as one buffer: one write, one flush.
+        """Publish up to BATCH_MAX queued records as one batch (``_send_batch``: one write on NATS).
 
         Per record this is a struct replace, two msgspec encodes and one bytes format: about 2 µs,
         so a sender that gets the GIL only between a flooding caller's switch intervals still
@@ -381,29 +380,43 @@ class FpmDirectPublisher:
         popleft = q.popleft
         replace = msgspec.structs.replace
         encode = _record_encoder.encode
+        self._overflow = self._overflow_now()
+        counter = self._taken + self._overflow + self._heartbeat_ids  # id of the next record popped
+        n = min(len(q), BATCH_MAX)
+        self._taken += n  # before popping: a concurrent stats() may undercount drops, never invent one
+        lost = 0
+        payloads: list[bytes] = []
+        add = payloads.append
+        for _ in range(n):
+            record = popleft()
+            try:
+                add(encode(replace(record, counter_id=counter)))
+            except Exception as exc:
+                lost += 1
+                self._last_error = f"unencodable record: {exc!r}"[:300]
+                self._warn.warn("unencodable record")
+            counter += 1
+        self._lost += lost
+        if not payloads:
+            return
+        delivered = await self._send_batch(nc, payloads)
+        self._published += delivered
+        self._lost += len(payloads) - delivered  # counters keep advancing: consumers see the gap
+
+    async def _send_batch(self, nc: Any, payloads: list[bytes]) -> int:
+        """Send encoded records (sequence numbers from ``self._sequence``); returns how many went out.
+
+        NATS: every envelope and its PUB line built into one buffer, written at once (all or none).
+        """
         encode_env = _envelope_encoder.encode
         head = self._pub_head
         sizes = _SIZE_SUFFIX
         pid = self.publisher_id
         now_ms = time.time_ns() // 1_000_000
         seq = self._sequence
-        self._overflow = self._overflow_now()
-        counter = self._taken + self._overflow + self._heartbeat_ids  # id of the next record popped
-        n = min(len(q), BATCH_MAX)
-        self._taken += n  # before popping: a concurrent stats() may undercount drops, never invent one
-        lost = 0
         frames: list[bytes] = []
         frame = frames.append
-        for _ in range(n):
-            record = popleft()
-            try:
-                payload = encode(replace(record, counter_id=counter))
-            except Exception as exc:
-                lost += 1
-                counter += 1
-                self._last_error = f"unencodable record: {exc!r}"[:300]
-                self._warn.warn("unencodable record")
-                continue
+        for payload in payloads:
             env = encode_env(EventEnvelope(pid, seq, now_ms, FPM_TOPIC, payload))
             n = len(env)
             frame(head)
@@ -411,37 +424,18 @@ class FpmDirectPublisher:
             frame(env)
             frame(b"\r\n")
             seq += 1
-            counter += 1
-        self._lost += lost
-        if not frames:
-            return
-        sent = seq - self._sequence
-        if await self._write(nc, frames):
-            self._sequence = seq
-            self._published += sent
-        else:
-            self._lost += sent  # counters keep advancing: consumers see the gap
+        if not await self._write(nc, frames):
+            return 0
+        self._sequence = seq
+        return len(payloads)
 
     async def _write(self, nc: Any, frames: list[bytes]) -> bool:
-        """Write pre-built PUB frames (4 parts per message) in one go.
-
-        On a plain TCP connection they go straight to the socket (saving an event-loop turn through
-        nats-py's flusher task; ``drain()`` waits only when the socket buffer is full); otherwise they
-        are appended to nats-py's pending buffer with one flush kick.
-        """
+        """Write pre-built PUB frames (4 parts per message) in one go (``nats_fast_path``)."""
+        writer = self._writer
         try:
-            if not nc.is_connected:
-                raise ConnectionError("not connected")
-            if self._direct:
-                transport = nc._transport
-                transport.write(b"".join(frames))
-                await transport.drain()
-            elif self._raw_frames:
-                await nc._send_command(b"".join(frames))
-                await nc._flush_pending()
-            else:  # a nats-py without the internals we use: publish one by one
-                for env in frames[2::4]:
-                    await nc.publish(self.subject, env)
+            if writer is None or writer.nc is not nc:
+                writer = self._writer = FrameWriter(nc, self.subject)
+            await writer.write(frames)
         except Exception as exc:  # connection lost: these records are gone (counted by the caller)
             self._last_error = f"publish failed: {exc!r}"[:300]
             return False
@@ -454,17 +448,11 @@ class FpmDirectPublisher:
         try:
             counter = self._taken + self._overflow_now() + self._heartbeat_ids
             payload = _record_encoder.encode(msgspec.structs.replace(record, counter_id=counter))
-            env = encode_envelope(
-                EventEnvelope(
-                    self.publisher_id, self._sequence, time.time_ns() // 1_000_000, FPM_TOPIC, payload
-                )
-            )
         except Exception as exc:
             self._last_error = f"heartbeat failed: {exc!r}"[:300]
             return
-        if not await self._write(nc, [self._pub_head, b"%d\r\n" % len(env), env, b"\r\n"]):
+        if not await self._send_batch(nc, [payload]):
             return
-        self._sequence += 1
         self._heartbeat_ids += 1
         self._heartbeats += 1
 
@@ -544,10 +532,8 @@ class _Connection:
                 backoff = min(BACKOFF_MAX, backoff * 2)
                 continue
             self.nc = nc
-            owner._raw_frames = callable(getattr(nc, "_send_command", None)) and callable(
-                getattr(nc, "_flush_pending", None)
-            )
-            owner._direct = type(getattr(nc, "_transport", None)).__name__ == "TcpTransport"
+            owner._writer = FrameWriter(nc, owner.subject)
+            owner._direct = not owner._writer.needs_flusher_turn
             owner._connected = True
             dropped = owner.stats().dropped - self._dropped_at_loss
             owner._transport.up(f"{dropped} records dropped meanwhile" if dropped else "no record dropped")

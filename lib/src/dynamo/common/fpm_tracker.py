@@ -1,8 +1,11 @@
 """FPM subscriber: the latest record per engine of one namespace, with gaps, restarts and staleness.
 
-What the planner and the watch CLI read. ``handle_message`` is the pure part (no I/O, testable
-without NATS); ``start``/``stop`` wrap it in a nats-py subscription on
-``namespace.{ns}.component.{c|*}.endpoint.{e|*}.forward-pass-metrics`` that reconnects forever.
+What the planner and the watch CLI read, on either event plane. ``handle_message`` (a NATS message:
+subject and envelope) and ``handle_record`` (a bare record, as the runtime's subscriber hands it over on
+ZMQ) are the pure part (no I/O, testable without NATS), with one validation and rejection accounting;
+``start``/``stop`` wrap them in a nats-py subscription on
+``namespace.{ns}.component.{c|*}.endpoint.{e|*}.forward-pass-metrics`` that reconnects forever, or on
+ZMQ in the runtime's ``FpmEventSubscriber`` per component (``fpm_runtime_source``).
 
 Per engine key (component, endpoint, worker_id, dp_rank) it keeps the latest record, its receive
 time and the latest *timing* record (``wall_time > 0``; heartbeats and queue snapshots are not
@@ -17,13 +20,23 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import msgspec
 from dynamo.common.forward_pass_metrics import FPM_VERSION, ForwardPassMetrics
-from dynamo.common.fpm_subjects import FPM_TOPIC, decode_envelope, fpm_subscription, parse_fpm_subject
+from dynamo.common.fpm_runtime_source import RuntimeFpmSource
+from dynamo.common.fpm_subjects import (
+    DECODE_COMPONENT,
+    DEFAULT_ENDPOINT,
+    FPM_TOPIC,
+    PREFILL_COMPONENT,
+    decode_envelope,
+    fpm_subject,
+    fpm_subscription,
+    parse_fpm_subject,
+)
 from dynamo.common.fpm_validate import record_problem, subject_problem
 from dynamo.common.nats_options import (
     nats_connect_options_from_env,
@@ -117,11 +130,25 @@ class FpmTracker:
         max_engines: int = 10_000,
         pending_msgs_limit: int = 262_144,
         pending_bytes_limit: int = 64 * 1024 * 1024,
+        event_plane: str = "nats",
+        runtime: Any = None,
+        components: Sequence[str] | None = None,
     ) -> None:
         self.namespace = namespace
         self.component = component
         self.endpoint = endpoint
         self.subscription = fpm_subscription(namespace, component, endpoint)  # validates the tokens
+        if event_plane not in ("nats", "zmq"):
+            raise ValueError(f"event_plane {event_plane!r}: expected nats or zmq")
+        # ZMQ: the runtime's subscriber, one per component (it cannot subscribe to "any component").
+        self.event_plane = event_plane
+        self.runtime = runtime
+        if component is not None:
+            components = (component,)
+        self.components = tuple(components or (PREFILL_COMPONENT, DECODE_COMPONENT))
+        for comp in self.components:
+            fpm_subscription(namespace, comp, endpoint)  # validates the tokens
+        self._source: RuntimeFpmSource | None = None
         self.nats_url = nats_url
         self.stale_after = stale_after
         self.clock = clock
@@ -167,11 +194,47 @@ class FpmTracker:
             st.wrong_topic += 1
             self._warn.warn("wrong_topic")
             return
+        self._handle_payload(
+            parsed.component, parsed.endpoint, env.payload, env.publisher_id, env.published_at, subject
+        )
+
+    def handle_record(self, component: str, endpoint: str, payload: bytes, received_at_ms: int = 0) -> None:
+        """Apply one record that came without an envelope (the runtime's subscriber on the ZMQ plane).
+
+        Same validation and rejection accounting as :meth:`handle_message`; the record has no publisher
+        id (0) and its time stamp is ``received_at_ms`` (the receive time). Never raises.
+        """
+        st = self._stats
+        st.received += 1
         try:
-            record = _record_decoder.decode(env.payload)
+            subject = fpm_subject(self.namespace, component, endpoint)
+        except ValueError:
+            subject = ""
+        if (
+            not subject
+            or (self.component is not None and component != self.component)
+            or (self.endpoint is not None and endpoint != self.endpoint)
+        ):
+            st.wrong_subject += 1
+            self._warn.warn("wrong_subject")
+            return
+        self._handle_payload(component, endpoint, payload, 0, received_at_ms, subject)
+
+    def _handle_payload(
+        self,
+        component: str,
+        endpoint: str,
+        payload: bytes,
+        publisher_id: int,
+        published_at: int,
+        subject: str,
+    ) -> None:
+        st = self._stats
+        try:
+            record = _record_decoder.decode(payload)
         except Exception:
             try:
-                version = _version_decoder.decode(env.payload).version
+                version = _version_decoder.decode(payload).version
             except Exception:
                 version = FPM_VERSION
             if version != FPM_VERSION:
@@ -189,14 +252,14 @@ class FpmTracker:
             st.missing_worker_id += 1
             self._warn.warn("missing_worker_id")
             return
-        problem = record_problem(record) or subject_problem(parsed.component, parsed.endpoint)
+        problem = record_problem(record) or subject_problem(component, endpoint)
         if problem is not None:
             st.invalid_record += 1
             st.invalid_reasons[problem] = st.invalid_reasons.get(problem, 0) + 1
             self._warn.warn(problem)
             return
-        key = WorkerKey(parsed.component, parsed.endpoint, record.worker_id, record.dp_rank)
-        worker = self._apply(key, record, env.publisher_id, env.published_at)
+        key = WorkerKey(component, endpoint, record.worker_id, record.dp_rank)
+        worker = self._apply(key, record, publisher_id, published_at)
         if worker is None:
             return
         st.accepted += 1
@@ -279,7 +342,12 @@ class FpmTracker:
         self._workers.pop(key, None)
 
     def stats(self) -> TrackerStats:
-        return replace(self._stats, invalid_reasons=dict(self._stats.invalid_reasons))
+        dropped = self._source.dropped if self._source is not None else 0
+        return replace(
+            self._stats,
+            invalid_reasons=dict(self._stats.invalid_reasons),
+            slow_consumer=self._stats.slow_consumer + dropped,
+        )
 
     def __len__(self) -> int:
         """Engines tracked now (at most ``max_engines``)."""
@@ -288,7 +356,15 @@ class FpmTracker:
     # ----------------------------------------------------------------- NATS
     @property
     def connected(self) -> bool:
+        if self._source is not None:
+            return self._source.running
         return self._nc is not None and self._nc.is_connected
+
+    def describe(self) -> str:
+        """What is watched, for headers and logs: the NATS subscription or the ZMQ components."""
+        if self.event_plane == "zmq":
+            return f"zmq {self.namespace}.{{{','.join(self.components)}}}.{self.endpoint or DEFAULT_ENDPOINT}"
+        return self.subscription
 
     def transport(self) -> TransportSnapshot:
         """Connected or not, outages so far, and how long the current one has lasted."""
@@ -300,8 +376,12 @@ class FpmTracker:
         """Connect (env auth/TLS options) and subscribe.
 
         Raises ``ConnectionError`` when NATS cannot be reached within ``timeout`` seconds; once
-        connected, nats-py reconnects forever and restores the subscription.
+        connected, nats-py reconnects forever and restores the subscription. On the ZMQ plane the
+        runtime's subscribers start instead (``fpm_runtime_source``); they need ``runtime``.
         """
+        if self.event_plane == "zmq":
+            self._start_zmq()
+            return
         import nats
 
         url = self.nats_url or nats_url_from_env()
@@ -361,7 +441,39 @@ class FpmTracker:
         )
         await nc.flush()
 
+    def _start_zmq(self) -> None:
+        if self.runtime is None:
+            raise ConnectionError("the ZMQ event plane needs the Dynamo runtime (none was given)")
+        transport = TransportState(logger, f"FPM tracker ({self.namespace})", "the ZMQ event plane")
+        endpoint = self.endpoint or DEFAULT_ENDPOINT
+
+        def sink(component: str, payload: bytes) -> None:
+            self.handle_record(component, endpoint, payload, time.time_ns() // 1_000_000)
+
+        def ended(component: str) -> None:
+            transport.down(f"the runtime's subscriber of {component} stopped", "no records from it")
+
+        source = RuntimeFpmSource(
+            self.runtime,
+            self.namespace,
+            self.components,
+            endpoint,
+            sink,
+            pending_limit=self.pending_msgs_limit,
+            on_stream_end=ended,
+        )
+        try:
+            source.start()
+        except Exception as exc:
+            raise ConnectionError(f"cannot subscribe on the ZMQ event plane ({exc!r})") from exc
+        transport.up()
+        self._transport = transport
+        self._source = source
+
     async def stop(self) -> None:
+        source, self._source = self._source, None
+        if source is not None:
+            await source.stop()
         nc, self._nc, self._sub = self._nc, None, None
         self._warn.flush()
         if nc is None:

@@ -4,8 +4,11 @@
 
 ``--json``: one JSON object per record on stdout (subject, component, endpoint, envelope time and
 every FPM field nested as in the schema), flushed per line. Otherwise a compact table, one row per
-engine, refreshed every ``--interval`` seconds. Reads ``NATS_SERVER`` (and the ``NATS_*`` auth/TLS
-variables of :mod:`dynamo.common.nats_options`). Ctrl-C exits with 0; an unreachable NATS exits with
+engine, refreshed every ``--interval`` seconds. Either event plane (``--event-plane`` /
+``DYN_EVENT_PLANE``, :mod:`dynamo.common.event_plane`): on NATS it reads ``NATS_SERVER`` (and the
+``NATS_*`` auth/TLS variables of :mod:`dynamo.common.nats_options`); on ZMQ it starts a Dynamo runtime
+whose subscriber finds the publishers in discovery (components ``prefill`` and ``backend`` unless
+``--component`` names one). Ctrl-C exits with 0; an unreachable NATS exits with
 2 after ``--connect-timeout`` seconds with a one-line message on stderr.
 """
 
@@ -19,9 +22,10 @@ import os
 import signal
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from dynamo.common.cli_setup import add_version_flag, setup_logging
+from dynamo.common.event_plane import EVENT_PLANES, resolve_event_plane
 from dynamo.common.fpm_subjects import DEFAULT_NAMESPACE
 from dynamo.common.fpm_tracker import FpmTracker, TrackedWorker, record_to_dict
 from dynamo.common.nats_options import nats_url_from_env, redact_url
@@ -111,7 +115,7 @@ def table(workers: list[TrackedWorker], now: float) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m dynamo.common.recv_forward_pass_metrics",
-        description="Watch forward-pass-metrics records on NATS (NATS_SERVER, default nats://localhost:4222).",
+        description="Watch forward-pass-metrics records on the Dynamo event plane (NATS or ZMQ).",
     )
     p.add_argument(
         "--namespace",
@@ -132,6 +136,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=5.0,
         help="mark an engine stale after this many seconds (default 5)",
     )
+    p.add_argument(
+        "--event-plane",
+        choices=EVENT_PLANES,
+        default=None,
+        help="where the records travel (default: $DYN_EVENT_PLANE, else nats if NATS_SERVER is set, else zmq)",
+    )
+    p.add_argument(
+        "--discovery-backend",
+        default=os.environ.get("DYN_DISCOVERY_BACKEND") or "file",
+        help="zmq plane: the Dynamo discovery backend that finds the publishers "
+        "(default: $DYN_DISCOVERY_BACKEND or 'file', which reads DYN_FILE_KV)",
+    )
     add_version_flag(p, "dynamo.common.recv_forward_pass_metrics")
     p.add_argument(
         "--connect-timeout",
@@ -142,13 +158,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _runtime(discovery_backend: str) -> Any:
+    """The Dynamo runtime on the ZMQ event plane (its subscriber finds the publishers in discovery)."""
+    from dynamo.runtime import DistributedRuntime
+
+    return DistributedRuntime(asyncio.get_running_loop(), discovery_backend, "tcp", event_plane="zmq")
+
+
 async def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    runtime = None
     try:
+        plane = resolve_event_plane(getattr(args, "event_plane", None))
+        if plane == "zmq":
+            runtime = _runtime(getattr(args, "discovery_backend", None) or "file")
         tracker = FpmTracker(
-            args.namespace, component=args.component, endpoint=args.endpoint, stale_after=args.stale_after
+            args.namespace,
+            component=args.component,
+            endpoint=args.endpoint,
+            stale_after=args.stale_after,
+            event_plane=plane,
+            runtime=runtime,
         )
-    except ValueError as exc:
+    except Exception as exc:  # a bad name or plane, or a runtime that cannot start
         print(f"error: {exc}", file=sys.stderr)
+        if runtime is not None:
+            runtime.shutdown()
         return EXIT_NATS
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -170,17 +204,21 @@ async def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         await tracker.start(timeout=args.connect_timeout)
     except ConnectionError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if runtime is not None:
+            runtime.shutdown()
         return EXIT_NATS
     try:
         if args.json:
             await stop.wait()
         else:
             clear = "\x1b[H\x1b[2J" if out.isatty() else ""
-            url = redact_url(nats_url_from_env())
+            url = (
+                redact_url(nats_url_from_env()) if plane == "nats" else f"discovery {args.discovery_backend}"
+            )
             while not stop.is_set():
                 st = tracker.stats()
                 header = (
-                    f"{tracker.subscription}  {url} {'up' if tracker.connected else 'DOWN'}  "
+                    f"{tracker.describe()}  {url} {'up' if tracker.connected else 'DOWN'}  "
                     f"records={st.accepted} rejected={st.rejected()} gaps={st.gaps} restarts={st.restarts}"
                 )
                 try:
@@ -194,6 +232,8 @@ async def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                     await asyncio.wait_for(stop.wait(), args.interval)
     finally:
         await tracker.stop()
+        if runtime is not None:
+            runtime.shutdown()
     return EXIT_OK
 
 
