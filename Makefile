@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine (see README):
 #   make demo   - the disaggregated demo on embedded defaults
-#   make test   - ruff + the whole test suite
+#   make test   - ruff, mypy and the whole test suite
 # Both create or reuse .venv and install what they need (re-installed when pyproject.toml changes).
 
 SHELL := /bin/bash
@@ -38,10 +38,12 @@ $(UPSTREAM_DIR)/.ok:
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The demo: embedded NATS, file discovery, tiny model, frontend, prefill + decode workers, planner, load, report.

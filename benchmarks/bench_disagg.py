@@ -4,10 +4,10 @@
                                                 [--without-layer | --no-without-layer] [--json PATH]
 
 Real in-process vLLM engines on the tiny model (tests/disagg_support.py), never more than two alive: a
-prefill engine and a decode engine, both through ``dynamo.vllm.nixl_cpu`` (the CPU layer, defaults);
-then, unless ``--no-without-layer``, the decode engine is replaced by one with the layer's three switches
-off (vLLM's connector as it is). Aggregated requests run on the prefill engine by itself and alternate
-with the disaggregated ones, so both see the same machine load and the same engine settings.
+prefill engine and a decode engine, both through ``dynamo.vllm.cpu_host.nixl_connector`` (the CPU layer,
+defaults); then, unless ``--no-without-layer``, the decode engine is replaced by one with the layer's three
+switches off (vLLM's connector as it is). Aggregated requests run on the prefill engine by itself and
+alternate with the disaggregated ones, so both see the same machine load and the same engine settings.
 
 For short and long prompts, one request at a time (greedy, fixed length): time to first token (for
 disaggregated: from the prefill engine's arrival to the decode engine's first token, the hop between
@@ -191,7 +191,8 @@ def _print(report: dict[str, Any], sizes: dict[str, int]) -> None:
     load = ", ".join(f"{x:.1f}" for x in report["load_average_at_start"])
     p = report["params"]
     print(
-        f"tiny model, one request at a time, {p['gen_tokens']} generated tokens, {p['requests']} requests per "
+        f"tiny model, one request at a time, {p['gen_tokens']} generated tokens, {p['requests']} requests "
+        "per "
         f"size and mode; times in ms (p50 / p90); {report['cpus']} CPUs, load average {load}"
     )
     print(
@@ -217,7 +218,8 @@ def _print(report: dict[str, Any], sizes: dict[str, int]) -> None:
         r = report[run]
         print(
             f"{run}: first pull of a new pair {r['first_pull_decode_wait_s'] * ms:.0f} ms; idle CPU "
-            f"prefill {r['idle_cpu_cores']['prefill']:.2f} / decode {r['idle_cpu_cores']['decode']:.2f} cores; "
+            f"prefill {r['idle_cpu_cores']['prefill']:.2f} / decode {r['idle_cpu_cores']['decode']:.2f} "
+            "cores; "
             f"decode thread affinity {r['affinity']['before']} -> {r['affinity']['after']}; "
             f"decode switch interval {r['switch_interval_s'] * 1e3:.1f} ms"
         )

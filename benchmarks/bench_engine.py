@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
     else:
         print(
-            f"tokens/s, {args.requests} concurrent requests x {args.max_tokens} tokens, {args.rounds} rounds:\n"
+            f"tokens/s, {args.requests} concurrent requests x {args.max_tokens} tokens, {args.rounds} "
+            "rounds:\n"
             f"  plain AsyncScheduler     median {summary['plain_tok_s_median']:.0f}\n"
             f"  InstrumentedScheduler    median {summary['instrumented_tok_s_median']:.0f}\n"
             f"  ratio instrumented/plain median {summary['ratio_median']:.3f} "

@@ -196,19 +196,22 @@ def main() -> int:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (min = the cost without contention)"
     )
     print(
-        f"{'target':10} {'engines/pool':>12}   decide min / median / p99 ms   observe+decide min / median / p99 ms"
+        f"{'target':10} {'engines/pool':>12}   decide min / median / p99 ms   "
+        "observe+decide min / median / p99 ms"
     )
     for r in rows:
         d, o = r["decide"], r["observe_decide"]
         print(
-            f"{r['target']:10} {r['engines_per_pool']:>12}   {d['min_ms']:>8.3f} {d['median_ms']:>8.3f} {d['p99_ms']:>8.3f}"
+            f"{r['target']:10} {r['engines_per_pool']:>12}   {d['min_ms']:>8.3f} {d['median_ms']:>8.3f} "
+            f"{d['p99_ms']:>8.3f}"
             f"   {o['min_ms']:>14.3f} {o['median_ms']:>8.3f} {o['p99_ms']:>8.3f}"
         )
     lat = asyncio.run(bench_latency(args.samples))
     b, d = lat["publish_to_book"], lat["publish_to_decision"]
     print(
         f"\nNATS-to-decision ({lat['samples']} samples): publish->book median {b['median_ms']:.2f} ms"
-        f" p99 {b['p99_ms']:.2f} ms; publish->decision median {d['median_ms']:.2f} ms p99 {d['p99_ms']:.2f} ms"
+        f" p99 {b['p99_ms']:.2f} ms; publish->decision median {d['median_ms']:.2f} ms "
+        f"p99 {d['p99_ms']:.2f} ms"
     )
     worst = max(r["decide"]["min_ms"] for r in rows if r["engines_per_pool"] == 1000)
     worst_med = max(r["decide"]["median_ms"] for r in rows if r["engines_per_pool"] == 1000)

@@ -43,7 +43,8 @@ def main() -> int:
         return 2
     results = []
     print(
-        f"{'scenario':<15} {'start':>5}  {'fleet':<12} {'goodput':>8} {'GPU-h':>7}   phase needs (start s: P+D)"
+        f"{'scenario':<15} {'start':>5}  {'fleet':<12} {'goodput':>8} {'GPU-h':>7}   "
+        "phase needs (start s: P+D)"
     )
     for name in names:
         sc = SCENARIOS[name]
@@ -67,7 +68,8 @@ def main() -> int:
         for startup in (float(x) for x in args.startups.split(",")):
             for fleet, s in frontier(sc, spec(startup), needs).items():
                 print(
-                    f"{name:<15} {startup:>5g}  {fleet:<12} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f}   {shown}",
+                    f"{name:<15} {startup:>5g}  {fleet:<12} {s['goodput_pct']:>7.1f}% "
+                    f"{s['gpu_hours']:>7.3f}   {shown}",
                     flush=True,
                 )
                 results.append({"scenario": name, "startup_s": startup, "fleet": fleet, **s})

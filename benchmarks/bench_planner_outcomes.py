@@ -43,7 +43,8 @@ def row(scenario: str, start: str, policy: str, s: dict[str, Any], static_gpu_h:
     ttft = "-" if s.get("p90_ttft_ms") is None else f"{s['p90_ttft_ms']:.0f}"
     itl = "-" if s.get("p90_itl_ms") is None else f"{s['p90_itl_ms']:.1f}"
     return (
-        f"{scenario:<15} {start:>5}  {policy:<16} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f} {ratio:>7} "
+        f"{scenario:<15} {start:>5}  {policy:<16} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f} "
+        f"{ratio:>7} "
         f"{ttft:>9} {itl:>8} {s.get('scaling_actions', 0):>7} {s.get('direction_flips', 0):>5} "
         f"{s.get('planner_wall_s', 0.0):>9.2f} {s.get('simulator_wall_s', s.get('wall_s', 0.0)):>7.2f}"
     )
@@ -163,7 +164,8 @@ def main() -> int:
             results.append({"scenario": name, "startup_s": startup, "policy": "upstream-1.6.1", **up})
     if not upstream_reason:
         print(
-            "* upstream Dynamo 1.6.1's load-based planner; aisimulate replaced by import-only stand-ins (unused)"
+            "* upstream Dynamo 1.6.1's load-based planner; aisimulate replaced by import-only stand-ins "
+            "(unused)"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,7 +261,7 @@ def timer_overhead_ns() -> int:
     return int(statistics.median(samples))
 
 
-def pct(values: list[float], q: float) -> float:
+def pct(values: Sequence[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
@@ -464,7 +465,8 @@ async def amain(args: argparse.Namespace) -> int:
         try:
             overhead = timer_overhead_ns()
             print(
-                f"nats-server {server.url}; flood {args.seconds:g} s per publisher; python {sys.version.split()[0]}"
+                f"nats-server {server.url}; flood {args.seconds:g} s per publisher; python "
+                f"{sys.version.split()[0]}"
             )
             t0 = time.monotonic()
             load0 = os.getloadavg()[0]

@@ -8,8 +8,9 @@ The whole product path, not engines in isolation: an embedded nats-server, Dynam
 Phases, one after the other, each with its own frontend and discovery folder:
 
 - ``agg``: one aggregated worker;
-- ``disagg``: a prefill and a decode worker (vLLM's NixlConnector through ``dynamo.vllm.nixl_cpu``, the
-  worker's defaults, which include ``VLLM_CPU_OMP_THREADS_BIND=nobind`` on CPU);
+- ``disagg``: a prefill and a decode worker (vLLM's NixlConnector through
+  ``dynamo.vllm.cpu_host.nixl_connector``, the worker's defaults, which include
+  ``VLLM_CPU_OMP_THREADS_BIND=nobind`` on CPU);
 - ``disagg-bound`` (only with ``--with-binding``): the same pair with vLLM's default OpenMP binding
   (``VLLM_CPU_OMP_THREADS_BIND=auto``), the configuration whose decode-side reads stalled; each request gets
   at most 60 s, so this phase can take minutes.
@@ -50,7 +51,7 @@ KV = {
     "kv_connector": "NixlConnector",
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
-    "kv_connector_module_path": "dynamo.vllm.nixl_cpu",
+    "kv_connector_module_path": "dynamo.vllm.cpu_host.nixl_connector",
 }
 
 
@@ -125,8 +126,8 @@ def run_phase(
             results.append(res)
             ttft = res["arrivals"][0] if res["arrivals"] else float("nan")
             print(
-                f"[{name}] request {i + 1}/{requests} ({kind}): ttft {ttft:.3f} s, total {res['total_s']:.2f} s"
-                + ("" if res["ok"] else " FAILED"),
+                f"[{name}] request {i + 1}/{requests} ({kind}): ttft {ttft:.3f} s, total "
+                f"{res['total_s']:.2f} s" + ("" if res["ok"] else " FAILED"),
                 flush=True,
             )
         leases_expired = sum(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -43,7 +43,7 @@ _TEST_SPANS: list[tuple[str, float, float]] = []
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
     started = time.monotonic()
     try:
         return (yield)
@@ -52,14 +52,15 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Say how much the machine stalled during the run, and in which tests: the context of any timing failure."""
+    """Say how much the machine stalled during the run, and in which tests: the context of any timing
+    failure."""
     stalls = MACHINE.stalls()
     if not stalls:
         return
     total = sum(end - start for start, end in stalls)
     terminalreporter.write_line(
-        f"machine stalls measured: {len(stalls)}, {total:.1f} s in all (timing bounds in the tests left them out); "
-        "the longest:"
+        f"machine stalls measured: {len(stalls)}, {total:.1f} s in all "
+        "(timing bounds in the tests left them out); the longest:"
     )
     for start, end in sorted(stalls, key=lambda s: s[0] - s[1])[:3]:
         during = [nodeid for nodeid, t0, t1 in _TEST_SPANS if t0 <= end and start <= t1] or [

@@ -57,27 +57,31 @@ class H(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("127.0.0.1", PORT), H).serve_forever()
 """
 
-# argv: DECISION_LOG UP_AFTER DOWN_AFTER - writes a decode scale-up after UP_AFTER s, a scale-down DOWN_AFTER s later, holds in
-# between; like the real planner's local connector it reports a warm decode standby (connector events in
-# RUN/logs/) and, like the FPM recorder, the decode workers' records (RUN/fpm.jsonl): the promoted standby "w2"
-# works from 0.3 s after the scale-up on.
+# argv: DECISION_LOG UP_AFTER DOWN_AFTER - writes a decode scale-up after UP_AFTER s, a scale-down DOWN_AFTER
+# s later, holds in between; like the real planner's local connector it reports a warm decode standby
+# (connector events in RUN/logs/) and, like the FPM recorder, the decode workers' records (RUN/fpm.jsonl): the
+# promoted standby "w2" works from 0.3 s after the scale-up on.
 FAKE_PLANNER = r"""
 import json, os, sys, threading, time
 path = sys.argv[1]
 run = os.path.dirname(path)
 os.makedirs(os.path.join(run, "logs"), exist_ok=True)
-def log(pool, cur, des, reason):
+def log(pool, cur, des, reason):  # a line in the real decision log's format (dynamo.planner.decision_log)
+    action = "scale_up" if des > cur else "scale_down" if des < cur else "hold"
     with open(path, "a") as fh:
-        fh.write(json.dumps({"time": time.time(), "pool": pool, "current": cur, "desired": des,
-                             "reason": reason, "signals": {}}) + "\n")
+        fh.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ts": time.time(),
+                             "tick": 0, "pool": pool, "current": cur, "desired": des, "action": action,
+                             "reason": reason, "signals": {}, "applied": True, "dry_run": False}) + "\n")
 def event(name, role, state, worker, members, standby):
     with open(os.path.join(run, "logs", "local-connector-events.jsonl"), "a") as fh:
-        fh.write(json.dumps({"t": time.time(), "event": name, "pool": "decode", "index": 0, "pid": os.getpid(),
-                             "role": role, "state": state, "worker_id": worker,
+        fh.write(json.dumps({"t": time.time(), "event": name, "pool": "decode", "index": 0,
+                             "pid": os.getpid(), "role": role, "state": state, "worker_id": worker,
                              "counts": {"decode": {"members": members, "serving": members - 1, "starting": 0,
                                                    "standby": standby, "standby_loading": 0, "draining": 0}}})
                  + "\n")
 promoted = []
+# The FPM lines are the watch CLI's --json lines (what the demo's FPM recorder writes).
+SUBJECT = "namespace.demo.component.backend.endpoint.generate.forward-pass-metrics"
 def fpm():
     n = 0
     while True:
@@ -85,7 +89,8 @@ def fpm():
         workers = ["w1"] + (["w2"] if promoted and time.time() > promoted[0] + 0.3 else [])
         with open(os.path.join(run, "fpm.jsonl"), "a") as fh:
             for w in workers:
-                fh.write(json.dumps({"component": "backend", "published_at_ms": int(time.time() * 1000),
+                fh.write(json.dumps({"subject": SUBJECT, "component": "backend", "endpoint": "generate",
+                                     "published_at_ms": int(time.time() * 1000), "version": 1,
                                      "worker_id": w, "dp_rank": 0, "counter_id": n, "wall_time": 0.02,
                                      "scheduled_requests": {"num_decode_requests": 2},
                                      "queued_requests": {}}) + "\n")
@@ -169,7 +174,10 @@ def compose_defaults(value: str) -> str:
 
 # ---- a whole demo run on fake components (real supervisor, real nats-server, fake model/workers/planner) --
 SLEEPER = "import time\nwhile True: time.sleep(1)\n"
-FAILING_WORKER = "import sys, time\nprint('loading model ...', flush=True)\ntime.sleep(1.5)\nprint('fatal: KV cache does not fit', flush=True)\nsys.exit(7)\n"
+FAILING_WORKER = (
+    "import sys, time\nprint('loading model ...', flush=True)\ntime.sleep(1.5)\n"
+    "print('fatal: KV cache does not fit', flush=True)\nsys.exit(7)\n"
+)
 
 
 def fake_stack(monkeypatch_setattr, tmp: Path, *, failing_worker: bool = False) -> None:

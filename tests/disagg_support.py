@@ -1,9 +1,9 @@
 """Real CPU vLLM engines in child processes, driven over a local pipe: the test harness for disaggregation.
 
 Each child runs one in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tiny model) with
-vLLM's ``NixlConnector`` through ``dynamo.vllm.nixl_cpu`` and a CPU KV buffer, and an engine loop that
-accepts requests while it steps, so requests can wait for remote KV while others run. The parent talks
-to it with ``multiprocessing.connection`` (pickled dicts); the child also answers questions about its
+vLLM's ``NixlConnector`` through ``dynamo.vllm.cpu_host.nixl_connector`` and a CPU KV buffer, and an engine
+loop that accepts requests while it steps, so requests can wait for remote KV while others run. The parent
+talks to it with ``multiprocessing.connection`` (pickled dicts); the child also answers questions about its
 scheduler (free blocks, parked requests) and can overwrite KV blocks (the negative control).
 
 Run as a script this file *is* the child: ``python disagg_support.py --connect HOST:PORT``.
@@ -41,7 +41,7 @@ def kv_transfer_config(role: str, *, use_layer: bool = True, lease_s: int = KV_L
         "kv_connector_extra_config": {"kv_lease_duration": lease_s},
     }
     if use_layer:
-        cfg["kv_connector_module_path"] = "dynamo.vllm.nixl_cpu"
+        cfg["kv_connector_module_path"] = "dynamo.vllm.cpu_host.nixl_connector"
     return cfg
 
 
@@ -111,6 +111,7 @@ class EngineProcess:
     def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
         """Accept the child's connection and wait for its engine to be built."""
         deadline = Deadline(timeout)
+        # multiprocessing's Listener has no accept timeout: set it on its private socket.
         self._listener._listener._socket.settimeout(max(1.0, timeout))  # type: ignore[attr-defined]
         try:
             self.conn = self._listener.accept()
@@ -194,8 +195,9 @@ class EngineProcess:
         with _suppress():
             self.proc.wait(timeout=10)
         for closable in (self.conn, self._listener, self._log):
-            with _suppress():
-                closable.close()  # type: ignore[union-attr]
+            if closable is not None:
+                with _suppress():
+                    closable.close()
 
 
 class _suppress:

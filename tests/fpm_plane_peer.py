@@ -72,7 +72,7 @@ async def main(kind: str, plane: str, namespace: str, worker_id: str) -> None:
 
         close = rt_pub.shutdown
     else:
-        common = dict(namespace=namespace, component=COMPONENT, worker_id=worker_id)
+        common: dict[str, Any] = dict(namespace=namespace, component=COMPONENT, worker_id=worker_id)
         if plane == "zmq":
             from dynamo.common.event_plane import zmq_fpm_endpoint
             from dynamo.common.fpm_zmq_publisher import FpmZmqPublisher

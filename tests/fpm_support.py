@@ -20,6 +20,7 @@ from dynamo.common.forward_pass_metrics import (
     decode,
 )
 from dynamo.common.fpm_subjects import EventEnvelope, decode_envelope
+from nats.aio.msg import Msg
 from stall_meter import Deadline
 
 
@@ -75,7 +76,7 @@ class Collector:
     async def start(self) -> Collector:
         self.nc = await nats.connect(self.url)
 
-        async def on_msg(msg: nats.aio.msg.Msg) -> None:
+        async def on_msg(msg: Msg) -> None:
             env = decode_envelope(msg.data)
             self.items.append(Received(msg.subject, env, decode(env.payload), time.perf_counter()))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -17,7 +18,7 @@ from dynamo.common.forward_pass_metrics import (
     QueuedRequestMetrics,
     ScheduledRequestMetrics,
 )
-from dynamo.common.nats_server import free_port
+from dynamo.common.ports import free_port
 from dynamo.planner.config import PlannerConfig, config_from_mapping
 from dynamo.planner.observations import Capacity, EngineObs, Observation, PoolObs
 from stall_meter import Deadline
@@ -160,7 +161,7 @@ class EmbeddedEtcd:
     """
 
     def __init__(self) -> None:
-        self.binary = shutil.which("etcd", path=str(Path(os.sys.executable).parent)) or shutil.which("etcd")
+        self.binary = shutil.which("etcd", path=str(Path(sys.executable).parent)) or shutil.which("etcd")
         self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
         self._dir = tempfile.mkdtemp(prefix="planner-etcd-")
@@ -217,12 +218,15 @@ class EmbeddedEtcd:
 # (what a control file says, else only the publisher's idle heartbeats) and drains on SIGTERM.
 STAND_IN_FPM_WORKER = """
 import json, os, signal, sys, time
-from dynamo.common.forward_pass_metrics import ForwardPassMetrics, QueuedRequestMetrics, ScheduledRequestMetrics
+from dynamo.common.forward_pass_metrics import (
+    ForwardPassMetrics, QueuedRequestMetrics, ScheduledRequestMetrics
+)
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 control, ns, url = sys.argv[1], sys.argv[2], sys.argv[3]
 pool, index = os.environ["DYN_PLANNER_POOL"], os.environ["DYN_PLANNER_INDEX"]
 wid = f"{pool}-{index}"
-pub = FpmDirectPublisher(namespace=ns, component="prefill" if pool == "prefill" else "backend", worker_id=wid, nats_url=url)
+component = "prefill" if pool == "prefill" else "backend"
+pub = FpmDirectPublisher(namespace=ns, component=component, worker_id=wid, nats_url=url)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 print("started", wid, flush=True)

@@ -3,8 +3,8 @@
 On this project's 2-core CI machines ordinary processes are now and then kept from running for seconds, 2-33 s
 measured (a worker's keep-alive logged one pass 32.7 s late): once with both cores taken by two engine
 processes' busy waits, once with the CPUs idle (docs/disaggregation.md, "Hosts that stall"). A timing bound in
-a test means "this long while the machine lets the processes run", so the tests subtract what this meter saw: a
-request that took 35 s during a 33 s stall took 2 s of the machine's time, and a transfer that really hangs
+a test means "this long while the machine lets the processes run", so the tests subtract what this meter saw:
+a request that took 35 s during a 33 s stall took 2 s of the machine's time, and a transfer that really hangs
 still fails, because the meter sees no stall then.
 
 The meter is a small child process (not a thread: a thread would also count the test process holding its own

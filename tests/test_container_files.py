@@ -62,7 +62,7 @@ def test_every_service_command_is_a_real_entry_point_and_flag(kind: str) -> None
             continue
         argv = [compose_defaults(a) for a in svc["command"]]
         if argv[:2] == ["python", "launch/demo.py"]:
-            import demo as demo_main  # type: ignore[import-not-found]  # launch/demo.py
+            import demo as demo_main  # launch/demo.py (tests/demo_support puts launch/ on sys.path)
 
             demo_main.build_parser().parse_args(argv[2:])  # exits on an unknown flag
             checked += 1
@@ -95,7 +95,7 @@ def test_cpu_compose_uses_the_cpu_transfer_layer_and_the_tiny_model() -> None:
     services = _services("cpu")
     for name in ("prefill", "decode"):
         cmd = services[name]["command"]
-        assert "dynamo.vllm.nixl_cpu" in cmd[cmd.index("--kv-transfer-config") + 1]
+        assert "dynamo.vllm.cpu_host.nixl_connector" in cmd[cmd.index("--kv-transfer-config") + 1]
         assert cmd[cmd.index("--model") + 1] == "/models/tiny"
         assert services[name]["depends_on"]["model"]["condition"] == "service_completed_successfully"
         assert "deploy" not in services[name]
@@ -113,7 +113,7 @@ def _name(requirement: str) -> str:
 
 def _constraints() -> dict[str, str]:
     """name -> exact version of constraints.txt."""
-    pins = {}
+    pins: dict[str, str] = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
@@ -170,7 +170,9 @@ def test_dockerfile_installs_the_tested_versions(dockerfile: str, needed: set[st
     assert project, f"{dockerfile} does not install the project"
     for cmd in project:
         assert "-c constraints.txt" in cmd, f"{dockerfile}: {cmd!r} without the constraints"
-        extras = set(re.search(r"\.\[([a-z0-9,\-]+)\]", cmd).group(1).split(","))  # type: ignore[union-attr]
+        named = re.search(r"\.\[([a-z0-9,\-]+)\]", cmd)
+        assert named is not None, f"{dockerfile}: {cmd!r} installs no extras"
+        extras = set(named.group(1).split(","))
         assert needed <= extras <= set(_pyproject()["project"]["optional-dependencies"]), (dockerfile, extras)
     assert re.search(r"^COPY [^\n]*constraints\.txt", text, re.M), (
         f"{dockerfile} does not copy constraints.txt"

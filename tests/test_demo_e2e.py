@@ -23,8 +23,8 @@ import pytest
 from demo_support import LAUNCH
 
 # isort: split
-from demo_lib.signals import parse_decision_line
 from demo_lib.supervisor import pids_with_marker
+from dynamo.planner.decision_log import read_entry
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.runtime]
 
@@ -68,27 +68,27 @@ def test_shortened_demo_scales_decode_not_prefill_and_cleans_up(tmp_path: Path) 
     burst_start, burst_end = verdict["burst"]
     decisions = [
         d
-        for d in (
-            parse_decision_line(json.loads(line))
-            for line in (run_dir / "decisions.jsonl").read_text().splitlines()
-        )
+        for d in (read_entry(line) for line in (run_dir / "decisions.jsonl").read_text().splitlines())
         if d is not None
     ]
     assert decisions, "the planner logged no decision"
     actions = [d for d in decisions if d.is_action]
     summary = "\n".join(
-        f"+{d.t - burst_start:.0f}s {d.pool} {d.current}->{d.desired} {d.reason}" for d in actions
+        f"+{d.ts - burst_start:.0f}s {d.pool} {d.current}->{d.desired} {d.reason}" for d in actions
     )
 
     decode_ups = [d for d in actions if d.pool == "decode" and d.direction > 0]
     assert decode_ups, f"decode never scaled up:\n{summary}\n{out[-3000:]}"
-    assert burst_start <= decode_ups[0].t <= burst_end + 30, f"decode scaled up outside the burst:\n{summary}"
+    assert burst_start <= decode_ups[0].ts <= burst_end + 30, (
+        f"decode scaled up outside the burst:\n{summary}"
+    )
     assert not [d for d in actions if d.pool == "prefill" and d.direction > 0], (
         f"prefill scaled up:\n{summary}"
     )
 
-    # The default stack is really disaggregated (nixl is installed here: no aggregated fallback), and the decode
-    # workers read every prompt's KV from the prefill worker: a read that stalls ends in a lease expiry instead.
+    # The default stack is really disaggregated (nixl is installed here: no aggregated fallback), and the
+    # decode workers read every prompt's KV from the prefill worker: a read that stalls ends in a lease expiry
+    # instead.
     logs = run_dir / "logs"
     assert not (logs / "worker-agg.log").exists(), out[-3000:]
     prefill_logs = "".join(p.read_text(errors="replace") for p in logs.glob("*prefill*.log"))
@@ -96,13 +96,13 @@ def test_shortened_demo_scales_decode_not_prefill_and_cleans_up(tmp_path: Path) 
     assert "Releasing expired KV blocks" not in prefill_logs, "a decode worker never read the prefill KV"
     last = {d.pool: d for d in decisions}
     assert last["decode"].desired == 1 and last["prefill"].desired == 1, f"not back at minimum:\n{summary}"
-    assert any(d.pool == "decode" and d.direction < 0 and d.t > burst_end - 5 for d in actions), summary
+    assert any(d.pool == "decode" and d.direction < 0 and d.ts > burst_end - 5 for d in actions), summary
 
     # The scale-up promoted the standby the planner kept warm (no model load after the decision).
     events = [json.loads(line) for line in (logs / "local-connector-events.jsonl").read_text().splitlines()]
     promoted = [e for e in events if e["event"] == "promoted" and e["pool"] == "decode"]
     assert promoted and promoted[0]["warm"], events
-    assert promoted[0]["t"] - decode_ups[0].t < 5.0, (promoted[0], decode_ups[0])
+    assert promoted[0]["t"] - decode_ups[0].ts < 5.0, (promoted[0], decode_ups[0])
     # ... and that replica took load: it scheduled decode work and carried a share of the decode tokens.
     lines = "\n".join(verdict["lines"])
     print(lines)

@@ -13,6 +13,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from demo_support import FAKE_OPENAI_SERVER, write_script  # puts launch/ on sys.path
@@ -21,7 +22,15 @@ from stall_meter import Deadline
 # isort: split
 from demo_lib import live_view, load, outcome, report, signals, stack, timeline, verdict
 from demo_lib.supervisor import Supervisor, pids_with_marker, tail_lines
-from dynamo.common.nats_server import free_port
+from dynamo.common.forward_pass_metrics import (
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+)
+from dynamo.common.fpm_tracker import record_to_dict
+from dynamo.common.ports import free_port
+from dynamo.planner import decision_log
+from dynamo.planner.decision_log import DecisionEntry
 from worker_support import wait_until
 
 
@@ -37,32 +46,41 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 
 # ---- signals --------------------------------------------------------------------------------------
+def _watch_line(component: str, record: ForwardPassMetrics, **envelope: object) -> dict[str, object]:
+    """A ``recv_forward_pass_metrics --json`` object: envelope keys and every record field, as it prints."""
+    subject = f"namespace.demo.component.{component}.endpoint.generate.forward-pass-metrics"
+    return {"subject": subject, "component": component, "endpoint": "generate", **envelope,
+            **record_to_dict(record)}  # fmt: skip
+
+
 def test_parse_fpm_line_reads_pool_queues_and_kv_split(tmp_path: Path) -> None:
-    rec = {
-        "subject": "namespace.demo.component.backend.endpoint.generate.forward-pass-metrics",
-        "received_at": 100.5,
-        "worker_id": "42",
-        "dp_rank": 0,
-        "wall_time": 0.01,
-        "scheduled_requests": {"num_decode_requests": 3, "sum_decode_kv_tokens": 300},
-        "queued_requests": {
-            "num_decode_requests": 5,
-            "sum_decode_kv_tokens": 500,
-            "sum_decode_kv_transfer_tokens": 200,
-            "sum_decode_kv_ready_tokens": 300,
-        },
-    }
-    s = signals.parse_fpm_line(rec)
+    rec = ForwardPassMetrics(
+        worker_id="42",
+        wall_time=0.01,
+        scheduled_requests=ScheduledRequestMetrics(num_decode_requests=3, sum_decode_kv_tokens=300),
+        queued_requests=QueuedRequestMetrics(
+            num_decode_requests=5,
+            sum_decode_kv_tokens=500,
+            sum_decode_kv_transfer_tokens=200,
+            sum_decode_kv_ready_tokens=300,
+        ),
+    )
+    line = _watch_line("backend", rec, received_at=100.5)
+    del line["component"], line["endpoint"]  # the subject alone names the pool
+    s = signals.parse_fpm_line(line)
     assert s is not None
     assert (s.pool, s.worker, s.t, s.queued_decode_requests) == ("decode", "42", 100.5, 5)
     assert (s.kv_transfer_tokens, s.kv_ready_tokens, s.scheduled_decode_kv_tokens) == (200, 300, 300)
-    nested = {
-        "component": "prefill",
-        "record": {"worker_id": "7", "queued_requests": {"sum_prefill_tokens": 9}},
-    }
-    p = signals.parse_fpm_line(nested, now=5.0)
-    assert p is not None and (p.pool, p.queued_prefill_tokens, p.kv_ready_tokens) == ("prefill", 9, None)
-    assert signals.parse_fpm_line({"component": "router"}) is None
+    prefill = ForwardPassMetrics(worker_id="7", queued_requests=QueuedRequestMetrics(sum_prefill_tokens=9))
+    p = signals.parse_fpm_line(_watch_line("prefill", prefill), now=5.0)  # no time stamp: "now"
+    assert p is not None and (p.pool, p.t, p.queued_prefill_tokens, p.kv_ready_tokens) == (
+        "prefill",
+        5.0,
+        9,
+        None,
+    )
+    assert signals.parse_fpm_line(_watch_line("router", prefill)) is None
+    assert signals.parse_fpm_line({"component": "prefill", "endpoint": "generate", "version": 99}) is None
 
 
 def test_jsonl_tail_handles_partial_lines_and_garbage(tmp_path: Path) -> None:
@@ -77,17 +95,26 @@ def test_jsonl_tail_handles_partial_lines_and_garbage(tmp_path: Path) -> None:
     assert tail.bad_lines == 1
 
 
-def test_parse_decision_aliases() -> None:
-    d = signals.parse_decision_line({"ts": "2026-01-01T00:00:00Z", "pool": "backend", "current_replicas": 1,
-                                     "desired_replicas": 2, "reason": "kv"})  # fmt: skip
-    assert d is not None and (d.pool, d.direction, d.is_action) == ("decode", 1, True)
-    assert d.t == 1767225600.0
-    assert signals.parse_decision_line({"pool": "decode", "current": 1}) is None
+def test_decisions_are_read_through_the_decision_log() -> None:
+    line = {"time": "2026-01-01T00:00:00.000+00:00", "ts": 1767225600.0, "tick": 7, "pool": "decode",
+            "current": 1, "desired": 2, "action": "scale_up", "reason": "kv", "signals": {"load": 1.4},
+            "applied": True, "dry_run": False}  # fmt: skip
+    d = decision_log.parse_entry(line)
+    assert d is not None and (d.pool, d.direction, d.is_action, d.ts, d.tick) == (
+        "decode",
+        1,
+        True,
+        1767225600.0,
+        7,
+    )
+    assert decision_log.read_entry(json.dumps(line)) == d
+    assert decision_log.parse_entry({"pool": "decode", "current": 1, "ts": 1.0}) is None
+    assert decision_log.parse_entry({**line, "pool": "backend"}) is None  # pools by their planner names
 
 
 # ---- verdict --------------------------------------------------------------------------------------
-def _d(t: float, pool: str, cur: int, des: int, reason: str = "r") -> signals.Decision:
-    return signals.Decision(t, pool, cur, des, reason)
+def _d(t: float, pool: str, cur: int, des: int, reason: str = "r") -> DecisionEntry:
+    return DecisionEntry(t, pool, cur, des, reason)
 
 
 MIN = {"prefill": 1, "decode": 1}
@@ -106,7 +133,7 @@ TOOK_LOAD = outcome.ScaledReplica(112.0, "w2", 112.4, 113.5, 40.0, 100.0)
         ([], False, 0, True),  # never reacted
     ],
 )  # fmt: skip
-def test_verdict_table(decisions: list[signals.Decision], passed: bool, wrong: int, back: bool) -> None:
+def test_verdict_table(decisions: list[DecisionEntry], passed: bool, wrong: int, back: bool) -> None:
     v = verdict.judge(decisions, burst_start=100.0, burst_end=200.0, minimum=MIN, scaled=TOOK_LOAD)
     assert (v.passed, len(v.wrong_pool_actions), v.returned_to_min) == (passed, wrong, back)
     assert len(v.lines) == 4 and all(v.lines)
@@ -158,14 +185,14 @@ def test_verdict_speed_and_text() -> None:
 
 # ---- live view and report -------------------------------------------------------------------------
 def _sample(t: float, pool: str, worker: str, **kw: float) -> signals.FpmSample:
-    base = dict(
+    base: dict[str, Any] = dict(
         wall_time=0.02, queued_prefill_tokens=0.0, queued_prefill_requests=0.0, queued_decode_requests=0.0,
         queued_decode_kv_tokens=0.0, kv_transfer_tokens=None, kv_ready_tokens=None, kv_transfer_requests=None,
         kv_ready_requests=None, scheduled_decode_requests=0.0, scheduled_decode_kv_tokens=0.0,
         scheduled_prefill_tokens=0.0,
     )  # fmt: skip
     base.update(kw)
-    return signals.FpmSample(t=t, pool=pool, worker=worker, dp_rank=0, **base)  # type: ignore[arg-type]
+    return signals.FpmSample(t=t, pool=pool, worker=worker, dp_rank=0, **base)
 
 
 def test_live_view_shows_engines_replicas_and_decisions() -> None:
@@ -213,7 +240,7 @@ def test_report_is_self_contained_with_one_matplotlib_timeline(tmp_path: Path) -
     scaled = outcome.scaled_replica(samples, decisions, events, t0 + 10, t0 + 40)
     assert scaled.worker_id == "w2" and scaled.took_load
     v = verdict.judge(decisions, t0 + 10, t0 + 40, MIN, scaled=scaled)
-    baseline = {"latency": {"burst": {"requests": 7, "tokens": 70, "ttft_p50": 0.5}}}
+    baseline: dict[str, object] = {"latency": {"burst": {"requests": 7, "tokens": 70, "ttft_p50": 0.5}}}
     data = report.ReportData(t0, samples, decisions, results, phases, v, MIN, {"agg": False}, ["a note"],
                              events=events, baseline=baseline)  # fmt: skip
     path = report.write_report(data, tmp_path / "report")
@@ -366,9 +393,11 @@ def test_stack_commands_and_planner_config(tmp_path: Path) -> None:
     assert kv["kv_connector_extra_config"] == {"kv_lease_duration": cfg.kv_lease_s}
     assert "--kv-transfer-config" not in stack.worker_argv(cfg, "agg")
     conf = stack.planner_config(cfg)
-    assert conf["connector"] == "local" and conf["local"]["initial_decode"] == 1  # type: ignore[index]
-    assert conf["local"]["standby_decode"] == 1  # type: ignore[index]  # one warm decode standby by default
-    template = conf["local"]["decode_command"]  # type: ignore[index]
+    local = conf["local"]
+    assert isinstance(local, dict)
+    assert conf["connector"] == "local" and local["initial_decode"] == 1
+    assert local["standby_decode"] == 1  # one warm decode standby by default
+    template = local["decode_command"]
     assert "free_port_exec.py VLLM_NIXL_SIDE_CHANNEL_PORT --" in template
     # The planner fills {placeholders} with str.format: the JSON braces survive it.
     argv = shlex.split(template.format(pool="decode", index=1, port=5, namespace="demo", log_dir="x"))
@@ -476,7 +505,8 @@ def test_processes_without_the_marker_are_found_by_session_and_parentage(tmp_pat
     assert os.getpid() not in found
     sup.stop_all(timeout=5)
     assert pids_with_marker(run_id) == []
-    # Not only out of the scan's sight: the child in a session of its own was orphaned when its parent stopped.
+    # Not only out of the scan's sight: the child in a session of its own was orphaned when its parent
+    # stopped.
     wait_until(lambda: not [pid for pid in found if _alive(pid)], timeout=5, interval=0.05)
 
 
@@ -489,9 +519,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may_run(tmp_path: Path) -> None:
-    def cfg(**kw: object) -> stack.DemoConfig:
-        paths = {"run_dir": tmp_path, "model_dir": tmp_path / "m", "discovery_dir": tmp_path / "d"}
-        return stack.DemoConfig(**paths, nats_port=1, http_port=2, **kw)  # type: ignore[arg-type]
+    def cfg(**kw: Any) -> stack.DemoConfig:
+        paths: dict[str, Any] = {
+            "run_dir": tmp_path,
+            "model_dir": tmp_path / "m",
+            "discovery_dir": tmp_path / "d",
+        }
+        return stack.DemoConfig(**paths, nats_port=1, http_port=2, **kw)
 
     assert stack.omp_threads_per_engine(cfg(), usable_cores=2) == 1  # 2 prefill + 2 decode engines at most
     assert stack.omp_threads_per_engine(cfg(), usable_cores=16) == 4
@@ -502,7 +536,8 @@ def test_openmp_threads_split_the_cores_between_the_most_engines_the_planner_may
 
 
 def test_timeline_draws_a_state_change_when_the_worker_made_it() -> None:
-    """The connector notices a worker's new state at its next poll (3 s later); the worker's own time counts."""
+    """The connector notices a worker's new state at its next poll (3 s later); the worker's own time
+    counts."""
 
     def ev(t: float, event: str, starting: int, standby: int, since: float = 0.0) -> signals.ConnectorEvent:
         counts = {"decode": {"starting": starting, "standby": standby}}
@@ -517,7 +552,5 @@ def test_timeline_draws_a_state_change_when_the_worker_made_it() -> None:
         [0.0, 0.0, 1.0, 0.0, 0.0],
     )
     assert timeline.connector_steps(tl, "decode", "standby")[1] == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert (
-        signals.parse_connector_event({"t": 13, "event": "state", "pool": "decode", "since": 10.02}).happened
-        == 10.02
-    )  # type: ignore[union-attr]
+    state = signals.parse_connector_event({"t": 13, "event": "state", "pool": "decode", "since": 10.02})
+    assert state is not None and state.happened == 10.02

@@ -3,6 +3,7 @@ is named with the end of its log and everything is stopped; Ctrl-C stops everyth
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -24,15 +25,12 @@ def _run_id() -> str:
     return f"t-{os.getpid()}-{time.monotonic_ns()}"
 
 
-class _Out:
-    def __init__(self) -> None:
-        self.text = ""
+class _Out(io.StringIO):
+    """The demo's terminal, captured."""
 
-    def write(self, s: str) -> None:
-        self.text += s
-
-    def flush(self) -> None:
-        pass
+    @property
+    def text(self) -> str:
+        return self.getvalue()
 
     def isatty(self) -> bool:
         return False
@@ -42,7 +40,7 @@ def test_normal_run_reports_and_stops_everything(tmp_path: Path, monkeypatch: py
     fake_stack(monkeypatch.setattr, tmp_path)
     run_id, out = _run_id(), _Out()
     cfg = make_config(tmp_path / "run", duration_s=30)
-    demo = DemoRun(cfg, run_id=run_id, out=out, live=False, startup_timeout_s=30, settle_timeout_s=10)  # type: ignore[arg-type]
+    demo = DemoRun(cfg, run_id=run_id, out=out, live=False, startup_timeout_s=30, settle_timeout_s=10)
     assert demo.run() == 0, out.text
     assert pids_with_marker(run_id) == []
     verdict = json.loads((cfg.run_dir / "verdict.json").read_text())
@@ -63,7 +61,7 @@ def test_a_dying_component_is_named_and_everything_stops(
     fake_stack(monkeypatch.setattr, tmp_path, failing_worker=True)
     run_id, out = _run_id(), _Out()
     cfg = make_config(tmp_path / "run", duration_s=30)
-    demo = DemoRun(cfg, run_id=run_id, out=out, live=False, startup_timeout_s=30)  # type: ignore[arg-type]
+    demo = DemoRun(cfg, run_id=run_id, out=out, live=False, startup_timeout_s=30)
     started = time.monotonic()
     assert demo.run() == 1
     assert time.monotonic() - started < 25

@@ -3,7 +3,8 @@ aggregated worker does (2-4 minutes on 2 cores).
 
 Two phases, never more than two engines alive: first the frontend with one aggregated worker, then
 a new frontend with a prefill and a decode worker (vLLM's NixlConnector with a CPU KV buffer through
-``dynamo.vllm.nixl_cpu``, ``kv_producer`` / ``kv_consumer``), each phase with its own discovery folder.
+``dynamo.vllm.cpu_host.nixl_connector``, ``kv_producer`` / ``kv_consumer``), each phase with its own discovery
+folder.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 pytest.importorskip("dynamo.llm")
 
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from stall_meter import running_s
 from worker_support import (
     Proc,
@@ -108,8 +110,8 @@ def test_disaggregated_completion_equals_aggregated_worker(
     assert disaggregated["long"]["usage"]["prompt_tokens"] > 4 * 32  # the KV of several blocks moved
     # The comparison alone does not bite: when the transfer fails, the decode side recomputes the prompt, and
     # the text is still equal. A read that fails is logged by decode; one that hangs ends when the prefill
-    # side's KV lease expires (logged) and fails the time bound before that. The bound leaves out the machine's
-    # stalls (tests/stall_meter.py); the lease outlasts them (worker_support.E2E_KV_LEASE_S).
+    # side's KV lease expires (logged) and fails the time bound before that. The bound leaves out the
+    # machine's stalls (tests/stall_meter.py); the lease outlasts them (worker_support.E2E_KV_LEASE_S).
     assert "NIXL transfer failure" not in (tmp_path / "disagg-decode.log").read_text(errors="replace")
     assert "Releasing expired KV blocks" not in (tmp_path / "disagg-prefill.log").read_text(errors="replace")
     for name in PROMPTS:

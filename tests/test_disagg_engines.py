@@ -40,7 +40,8 @@ from disagg_support import (
 )
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode
 from dynamo.common.fpm_subjects import DECODE_COMPONENT, decode_envelope, fpm_subject
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from stall_meter import running_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

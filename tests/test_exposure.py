@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from dynamo.common.cli_setup import loopback_by_default
-from dynamo.common.nats_server import free_port
+from dynamo.common.ports import free_port
 from worker_support import base_env, listening_addresses, low_free_port, start_worker, wait_until
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dynamo.vllm import file_discovery_keepalive as ka
+from dynamo.vllm.runtime_workarounds import file_discovery_keepalive as ka
 
 WORKER = 7417832320737632204  # its entries end in %2F66f16f31c0fa5fcc
 OTHER = 7625979231528302991

@@ -259,6 +259,7 @@ def test_zmq_frames_are_upstreams(upstream_dir: Path) -> None:
         assert topic == b"" and len(seq) == 8
         sequences.append(int.from_bytes(seq, "big"))
         record = decode(payload)
+        assert record is not None
         assert record == msgspec.structs.replace(
             full_record("w", seed=seed_of(record)), counter_id=record.counter_id
         )

@@ -11,6 +11,7 @@ import ssl
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,15 +26,16 @@ from dynamo.common.nats_options import (
     nats_url_from_env,
     redact_url,
 )
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from fpm_support import Collector, CustomNatsServer, full_record, self_signed_cert, wait_until
 
 NS = "pubtest"
 
 
-def make_pub(url: str, **kw: object) -> FpmDirectPublisher:
+def make_pub(url: str, **kw: Any) -> FpmDirectPublisher:
     kw.setdefault("worker_id", "worker-1")
-    return FpmDirectPublisher(namespace=NS, component="backend", nats_url=url, **kw)  # type: ignore[arg-type]
+    return FpmDirectPublisher(namespace=NS, component="backend", nats_url=url, **kw)
 
 
 @pytest.fixture(params=["fast", "plain"])
@@ -369,7 +371,7 @@ async def test_bad_record_counted_not_raised(nats_server: EmbeddedNatsServer) ->
     col = await Collector(nats_server.url, fpm_subject(NS, "backend")).start()
     pub = make_pub(nats_server.url, heartbeat_interval=60)
     try:
-        pub.publish("not a record")  # type: ignore[arg-type]
+        pub.publish("not a record")  # type: ignore[arg-type]  # the point: a wrong type at run time
         pub.publish(full_record())
         assert await wait_until(lambda: len(col.items) >= 1)
     finally:

@@ -197,7 +197,7 @@ async def test_unencodable_records_warn_rate_limited(
     pub = FpmDirectPublisher(namespace=NS, component="backend", worker_id="bad", nats_url=nats_server.url)
     try:
         for _ in range(100):
-            pub.publish("not a record")  # type: ignore[arg-type]
+            pub.publish("not a record")  # type: ignore[arg-type]  # the point: a wrong type at run time
         assert await wait_until(lambda: pub.stats().dropped >= 100, timeout=10)
     finally:
         pub.close()

@@ -108,7 +108,8 @@ def test_worker_exec_takes_a_free_gpu_per_worker(tmp_path: Path) -> None:
         [str(LAUNCH / "worker_exec.sh"), *show], env=env, stdout=subprocess.PIPE, text=True
     )
     try:
-        a, b = first.stdout.readline().split(), second.stdout.readline().split()  # type: ignore[union-attr]
+        assert first.stdout is not None and second.stdout is not None
+        a, b = first.stdout.readline().split(), second.stdout.readline().split()
         assert {a[0], b[0]} == {"0", "1"} and a[1] != b[1]
         third = subprocess.run(
             [str(LAUNCH / "worker_exec.sh"), "true"], env=env, capture_output=True, text=True

@@ -18,10 +18,9 @@ from typing import Any
 import pytest
 import yaml
 from dynamo.common.fpm_publisher import FpmDirectPublisher
-from dynamo.common.nats_server import free_port
-
-from tests.metrics_docs import base_name, documented_series, missing
-from tests.planner_support import rec
+from dynamo.common.ports import free_port
+from metrics_docs import base_name, documented_series, missing
+from planner_support import rec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from dynamo.vllm import nixl_cpu
-from dynamo.vllm.nixl_cpu import CpuFixPlan, plan_fixes
+from dynamo.vllm.cpu_host import nixl_connector
+from dynamo.vllm.cpu_host.nixl_connector import CpuFixPlan, plan_fixes
 
 
 def test_defaults_on_cpu_in_process() -> None:
@@ -33,10 +33,10 @@ def test_switch_interval_only_for_in_process_engines() -> None:
 
 def test_nothing_changes_off_the_cpu_platform() -> None:
     env = {
-        nixl_cpu.ENV_PROGRESS_DELAY_US: "5000",
-        nixl_cpu.ENV_KEEP_AFFINITY: "1",
-        nixl_cpu.ENV_SWITCH_INTERVAL: "0.001",
-        nixl_cpu.ENV_SPREAD_THREADS: "1",
+        nixl_connector.ENV_PROGRESS_DELAY_US: "5000",
+        nixl_connector.ENV_KEEP_AFFINITY: "1",
+        nixl_connector.ENV_SWITCH_INTERVAL: "0.001",
+        nixl_connector.ENV_SPREAD_THREADS: "1",
     }
     plan = plan_fixes(is_cpu_platform=False, in_process_engine=True, env=env)
     assert plan == CpuFixPlan()
@@ -88,7 +88,7 @@ def test_this_host_is_the_cpu_platform() -> None:
     from vllm.platforms import current_platform
 
     assert current_platform.is_cpu()
-    assert nixl_cpu.current_plan({}).active
+    assert nixl_connector.current_plan({}).active
 
 
 def test_progress_delay_reaches_the_agent_config_of_a_real_agent() -> None:
@@ -98,7 +98,7 @@ def test_progress_delay_reaches_the_agent_config_of_a_real_agent() -> None:
     api = sys.modules[base_worker.NixlWrapper.__module__]
     real_bindings = api.nixlBind
     assert real_bindings.nixlAgentConfig().pthrDelay == 0  # what nixl would build by default
-    with nixl_cpu.progress_delay(1234):
+    with nixl_connector.progress_delay(1234):
         cfg = api.nixlBind.nixlAgentConfig()
         cfg.pthrDelay = 0  # exactly what nixl_agent.__init__ does
         assert cfg.pthrDelay == 1234
@@ -114,7 +114,7 @@ def test_kept_affinity_restores_a_repinned_thread() -> None:
     before = os.sched_getaffinity(0)
     if len(before) < 2:
         pytest.skip("needs at least 2 usable cores to observe re-pinning")
-    with nixl_cpu.kept_affinity():
+    with nixl_connector.kept_affinity():
         os.sched_setaffinity(0, {max(before)})
         assert os.sched_getaffinity(0) == {max(before)}
     assert os.sched_getaffinity(0) == before
@@ -139,7 +139,7 @@ def _nixl_threads_affinity(fixes: CpuFixPlan) -> set[frozenset[int]]:
     try:
         os.sched_setaffinity(0, {min(everything)})
         existing = _thread_ids()
-        with nixl_cpu.apply_worker_fixes(fixes):
+        with nixl_connector.apply_worker_fixes(fixes):
             agent = base_worker.NixlWrapper(
                 f"spread-{fixes.spread_threads}", base_worker.nixl_agent_config(num_threads=2)
             )
@@ -171,7 +171,7 @@ def test_spread_threads_leaves_a_repinning_inside_the_block_alone() -> None:
         pytest.skip("needs at least 2 usable cores")
     try:
         os.sched_setaffinity(0, {min(everything)})
-        with nixl_cpu.spread_new_threads():
+        with nixl_connector.spread_new_threads():
             os.sched_setaffinity(0, {max(everything)})
         assert os.sched_getaffinity(0) == {max(everything)}
     finally:
@@ -182,14 +182,14 @@ def test_apply_worker_fixes_sets_the_switch_interval_and_never_raises_it() -> No
     original = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        with nixl_cpu.apply_worker_fixes(CpuFixPlan(switch_interval_s=0.0003)):
+        with nixl_connector.apply_worker_fixes(CpuFixPlan(switch_interval_s=0.0003)):
             pass
         assert sys.getswitchinterval() == pytest.approx(0.0003)
-        with nixl_cpu.apply_worker_fixes(CpuFixPlan(switch_interval_s=0.001)):
+        with nixl_connector.apply_worker_fixes(CpuFixPlan(switch_interval_s=0.001)):
             pass
         assert sys.getswitchinterval() == pytest.approx(0.0003)  # already lower: left alone
         sys.setswitchinterval(0.005)
-        with nixl_cpu.apply_worker_fixes(CpuFixPlan()):
+        with nixl_connector.apply_worker_fixes(CpuFixPlan()):
             pass
         assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
@@ -201,13 +201,13 @@ def test_connector_is_vllms_under_the_same_name() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
 
-    assert nixl_cpu.NixlConnector.__name__ == "NixlConnector"
-    assert issubclass(nixl_cpu.NixlConnector, VllmNixlConnector)
+    assert nixl_connector.NixlConnector.__name__ == "NixlConnector"
+    assert issubclass(nixl_connector.NixlConnector, VllmNixlConnector)
     cfg = KVTransferConfig(
         kv_connector="NixlConnector",
         kv_role="kv_consumer",
         kv_buffer_device="cpu",
-        kv_connector_module_path="dynamo.vllm.nixl_cpu",
+        kv_connector_module_path="dynamo.vllm.cpu_host.nixl_connector",
     )
-    assert KVConnectorFactory.get_connector_class(cfg) is nixl_cpu.NixlConnector
+    assert KVConnectorFactory.get_connector_class(cfg) is nixl_connector.NixlConnector
     assert cfg.has_connector("NixlConnector")

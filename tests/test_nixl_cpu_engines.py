@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from disagg_support import (
     prompt_ids,
     start_engines,
 )
-from dynamo.common.nats_server import free_port
+from dynamo.common.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,8 +42,8 @@ def prefill(tiny_model_dir: Path, log_dir: Path) -> Iterator[EngineProcess]:
         engine.close()
 
 
-def _decode(tiny_model_dir: Path, log_dir: Path, name: str, **kw: object) -> EngineProcess:
-    (engine,) = start_engines([EngineSpec(name, tiny_model_dir, "kv_consumer", free_port(), **kw)], log_dir)  # type: ignore[arg-type]
+def _decode(tiny_model_dir: Path, log_dir: Path, name: str, **kw: Any) -> EngineProcess:
+    (engine,) = start_engines([EngineSpec(name, tiny_model_dir, "kv_consumer", free_port(), **kw)], log_dir)
     return engine
 
 

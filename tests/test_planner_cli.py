@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 from dynamo.common.fpm_publisher import FpmDirectPublisher
-from dynamo.common.nats_server import free_port
+from dynamo.common.ports import free_port
 from dynamo.planner.connector_base import ConnectorStatus
 from dynamo.planner.loop import Planner
 from dynamo.planner.metrics import PlannerMetrics
 from dynamo.planner.replay import run_replay
-
-from tests.planner_support import config, rec
+from planner_support import config, rec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -351,7 +350,8 @@ async def test_cards_give_capacity_and_a_worker_that_left_discovery_is_dropped()
         planner.book.ingest("decode", rec(wid, s_decode=2, s_decode_kv=4000), 0.0)
     planner.book.ingest("prefill", PREFILL, 0.0)
     d = await planner.tick()
-    assert d.decode.signals.loads.max == 0.8  # 4000 / 5000 from the card, not 10000 from config
+    loads = d.decode.signals.loads
+    assert loads is not None and loads.max == 0.8  # 4000 / 5000 from the card, not 10000 from config
     del cards.caps["d1"]
     t[0] = 1.0
     d = await planner.tick()

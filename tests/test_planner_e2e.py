@@ -20,8 +20,7 @@ from dynamo.planner.connector_virtual import VirtualConnector
 from dynamo.planner.decision_log import DecisionLog
 from dynamo.planner.loop import Planner
 from dynamo.planner.policy import Decision
-
-from tests.planner_support import EmbeddedEtcd, config, rec
+from planner_support import EmbeddedEtcd, config, rec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -275,7 +275,7 @@ async def test_a_role_without_adapter_rights_is_named() -> None:
 
 
 async def test_v1alpha1_merge_patch_and_errors() -> None:
-    dgd = {
+    dgd: dict[str, Any] = {
         "apiVersion": "nvidia.com/v1alpha1",
         "metadata": {"name": "llm", "namespace": "default"},
         "spec": {"services": {"VllmPrefillWorker": {"replicas": 1}, "VllmDecodeWorker": {"replicas": 1}}},

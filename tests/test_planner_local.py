@@ -16,9 +16,8 @@ from dynamo.common.fpm_tracker import FpmTracker
 from dynamo.planner.connector_local import LocalConnector
 from dynamo.planner.loop import Planner
 from dynamo.planner.policy import Decision
+from planner_support import STAND_IN_FPM_WORKER, config
 from stall_meter import Deadline
-
-from tests.planner_support import STAND_IN_FPM_WORKER, config
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from dynamo.planner.connector_local import LocalConnector
 from worker_support import ENGINE_FLAGS, base_env, model_ready, sse_chunks, start_frontend, until
 
@@ -111,7 +112,8 @@ async def test_promoted_standby_serves_and_a_scale_down_lets_its_request_finish(
         )
         assert ("decode", worker.index, 0) in c.exited, c.exited  # every request finished: exit code 0
         print(
-            f"promoted standby served {ready_after:.2f} s after apply(); parked and stopped with requests in flight"
+            f"promoted standby served {ready_after:.2f} s after apply(); parked and stopped with requests in "
+            "flight"
         )
     finally:
         await c.close()

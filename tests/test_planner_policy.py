@@ -12,8 +12,7 @@ from dynamo.planner.observations import WorkerBook
 from dynamo.planner.policy import Decision, PolicyState, decide
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from tests.planner_support import CAP, KV, config, heartbeat, obs, pool, rec
+from planner_support import CAP, KV, config, heartbeat, obs, pool, rec
 
 # --------------------------------------------------------------------------------------------------
 # Single decisions.
@@ -652,7 +651,8 @@ def test_an_on_time_tick_after_a_late_one_may_act() -> None:
 
 
 def test_a_publishing_replica_is_never_counted_as_starting() -> None:
-    """A connector that still calls a publishing worker "starting" (its state file lags) does not hide load."""
+    """A connector that still calls a publishing worker "starting" (its state file lags) does not hide
+    load."""
     cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
     decode = [rec("d0", s_decode=8, s_decode_kv=int(1.15 * KV))]
     o = obs(0.0, [heartbeat("p0")], decode)

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 from dynamo.planner.local_process import same_process_alive
-
-from tests.planner_support import STAND_IN_FPM_WORKER
+from planner_support import STAND_IN_FPM_WORKER
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -59,7 +59,7 @@ def synthetic_result(
         {"t_s": duration / 3 + tick_s, "pool": "prefill", "from": 1, "to": 2, "reason": REASONS[1]},
         {"t_s": 2 * duration / 3, "pool": "decode", "from": 3, "to": 1, "reason": REASONS[2]},
     ]
-    requests = []
+    requests: list[dict[str, Any]] = []
     for _ in range(n_requests):
         arrival = rng.uniform(0, duration)
         done = rng.random() > 0.03
@@ -163,7 +163,7 @@ def test_empty_and_static_results_still_report(tmp_path: Path) -> None:
 
 def test_attainment_bins_by_arrival() -> None:
     """A request counts in the bin it arrived in, whatever its latency; empty bins are gaps, not 0 %."""
-    requests = [
+    requests: list[dict[str, Any]] = [
         {"arrival_s": 1.0, "ttft_ms": 100.0, "itl_ms": 10.0, "ok": True},
         {"arrival_s": 9.9, "ttft_ms": None, "itl_ms": None, "ok": False},
         {"arrival_s": 25.0, "ttft_ms": 90_000.0, "itl_ms": 10.0, "ok": True},

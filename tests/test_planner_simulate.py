@@ -1,4 +1,5 @@
-"""``python -m dynamo.planner simulate``: the planner's own loop on Dynamo's fleet simulator (real runtime)."""
+"""``python -m dynamo.planner simulate``: the planner's own loop on Dynamo's fleet simulator (real
+runtime)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dynamo._core import run_mocker_trace_replay
@@ -28,16 +30,16 @@ JSON_KEYS = {
 }
 
 
-def _spec(trace: Path, **kw: object) -> SimSpec:
-    args = {
+def _spec(trace: Path, **kw: Any) -> SimSpec:
+    args: dict[str, Any] = {
         "traces": (str(trace),),
-        "prefill_engine_args": engine_args({}, "prefill", kw.pop("startup", 60.0)),  # type: ignore[arg-type]
+        "prefill_engine_args": engine_args({}, "prefill", kw.pop("startup", 60.0)),
         "decode_engine_args": engine_args({}, "decode", 60.0),
         "sla_ttft_ms": 2000.0,
         "sla_itl_ms": 50.0,
     }
     args.update(kw)
-    return SimSpec(**args)  # type: ignore[arg-type]
+    return SimSpec(**args)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def decode_shift(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine(worker_id: int, **fields: float) -> dict[str, float]:
     snap = {"worker_id": worker_id, "dp_rank": 0, "wall_time": 0.02}
     snap.update(fields)
-    return snap  # type: ignore[return-value]
+    return snap
 
 
 def _snapshot(now_ms: float, prefill: list[dict[str, float]], decode: list[dict[str, float]]) -> dict:
@@ -81,7 +83,8 @@ def test_snapshot_becomes_records_a_decision_and_a_target(tmp_path: Path) -> Non
     assert out["target_prefill"] in (None, 1)
     assert out["next_tick_ms"] == 10000.0
     book = policy.planner.book
-    # The records went through the planner's book under the live component names, capacity from the engine args.
+    # The records went through the planner's book under the live component names, capacity from the engine
+    # args.
     obs = book.observe(5.0)
     assert [e.worker_id for e in obs.decode.engines] == ["sim-0"]
     assert obs.decode.engines[0].capacity.kv_tokens == 8192 * 64
@@ -206,10 +209,10 @@ def test_scenarios_are_seeded_and_cover_the_suite(tmp_path: Path) -> None:
     a = write_trace("slow-wave", tmp_path / "a.jsonl", seed=3).read_bytes()
     assert a == write_trace("slow-wave", tmp_path / "b.jsonl", seed=3).read_bytes()
     assert a != write_trace("slow-wave", tmp_path / "c.jsonl", seed=4).read_bytes()
-    reqs = list(requests(SCENARIOS["idle-gap"]))
-    gap = [r for r in reqs if 150_000 <= float(r["timestamp"]) < 330_000]  # type: ignore[arg-type]
+    reqs: list[dict[str, Any]] = list(requests(SCENARIOS["idle-gap"]))
+    gap = [r for r in reqs if 150_000 <= float(r["timestamp"]) < 330_000]
     assert not gap and len(reqs) > 800
-    ids = [i for r in reqs for i in r["hash_ids"]]  # type: ignore[attr-defined]
+    ids = [i for r in reqs for i in r["hash_ids"]]
     assert len(ids) == len(set(ids))  # no prefix reuse
 
 

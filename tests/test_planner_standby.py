@@ -94,7 +94,8 @@ def _events(tmp_path: Path) -> list[dict[str, Any]]:
 async def _warm(c: LocalConnector, pool: str, n: int) -> None:
     async def check() -> bool:
         st = await c.status()
-        return st.breakdown(pool).standby == n  # type: ignore[union-attr]
+        counts = st.breakdown(pool)
+        return counts is not None and counts.standby == n
 
     deadline = time.monotonic() + 20
     while not await check():
@@ -318,7 +319,7 @@ def test_state_file_protocol_round_trip(tmp_path: Path) -> None:
 def test_standby_options_are_validated() -> None:
     from dynamo.planner.config import ConfigError, config_from_mapping
 
-    base = {"connector": "local", "local": {"prefill_command": "p", "decode_command": "d"}}
+    base: dict[str, Any] = {"connector": "local", "local": {"prefill_command": "p", "decode_command": "d"}}
     cfg = config_from_mapping({**base, "local": {**base["local"], "standby_decode": 1, "adopt": False}})
     assert (cfg.local.standby_prefill, cfg.local.standby_decode, cfg.local.adopt) == (0, 1, False)
     with pytest.raises(ConfigError, match=r"local\.standby_decode: must be >= 0"):

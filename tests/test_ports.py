@@ -1,4 +1,5 @@
-"""Ports chosen now and bound much later (vLLM's NIXL side channel) stay out of the kernel's ephemeral range."""
+"""Ports chosen now and bound much later (vLLM's NIXL side channel) stay out of the kernel's ephemeral
+range."""
 
 from __future__ import annotations
 

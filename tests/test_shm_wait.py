@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 
 import pytest
 from dynamo.vllm import engine as eng
-from dynamo.vllm import shm_wait
+from dynamo.vllm.cpu_host import shm_wait
 
 pytest.importorskip("vllm")
 from vllm.distributed.device_communicators import shm_broadcast

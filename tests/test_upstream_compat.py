@@ -137,7 +137,8 @@ def test_every_top_level_key_of_upstreams_planner_config_is_known(upstream_dir: 
     [
         ({"mode": "agg", "min_endpoint": 2}, {"prefill": {"min_replicas": 0, "max_replicas": 0},
                                               "decode": {"min_replicas": 2}, "gpu_budget": 8}),
-        ({"max_gpu_budget": -1, "prefill_min_endpoint": 3}, {"gpu_budget": None, "prefill": {"min_replicas": 3}}),
+        ({"max_gpu_budget": -1, "prefill_min_endpoint": 3},
+         {"gpu_budget": None, "prefill": {"min_replicas": 3}}),
         ({"optimization_target": "load", "mode": "agg", "decode_scale_up_kv_rate": 90,
           "decode_scale_down_kv_rate": 40, "prefill_scale_up_queue_tokens": 4000},
          {"target": "load", "prefill": {"min_replicas": 0, "max_replicas": 0}, "gpu_budget": 8,
@@ -160,7 +161,8 @@ def test_translation(data: dict[str, Any], expected: dict[str, Any]) -> None:
         ({"mode": "prefill"}, "mode"),
         ({"backend": "sglang"}, "backend"),
         ({"optimization_target": "sla", "enable_load_scaling": True}, "enable_throughput_scaling"),
-        ({"optimization_target": "load", "prefill_scale_up_queue_tokens": 10}, "prefill_scale_up_queue_tokens"),
+        ({"optimization_target": "load", "prefill_scale_up_queue_tokens": 10},
+         "prefill_scale_up_queue_tokens"),
         ({"min_gpu_budget": 4}, "min_gpu_budget"),
         ({"enable_power_awareness": True}, "enable_power_awareness"),
         ({"control_api_port": 9086}, "control_api_port"),
@@ -258,12 +260,15 @@ def test_upstream_endpoint_form_serves(tiny_model_dir: Path, tmp_path: Path) -> 
         tiny_model_dir, env, tmp_path / "worker.log", "--endpoint", "dyn://compat.backend.generate"
     )
     try:
-        want = 'dynamo_worker_ready{dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="compat",'
+        want = (
+            'dynamo_worker_ready{dynamo_component="backend",dynamo_endpoint="generate",'
+            'dynamo_namespace="compat",'
+        )
 
         def registered() -> bool:
             with contextlib.suppress(OSError):
-                return any(line.startswith(want) and line.endswith(" 1.0")
-                           for line in http_text(f"http://127.0.0.1:{port}/metrics").splitlines())  # fmt: skip
+                lines = http_text(f"http://127.0.0.1:{port}/metrics").splitlines()
+                return any(line.startswith(want) and line.endswith(" 1.0") for line in lines)
             return False
 
         wait_until(registered, timeout=240, procs=[worker])
@@ -277,7 +282,8 @@ def test_docs_name_every_upstream_key_and_new_variable() -> None:
     assert not missing, f"docs/from-upstream.md lacks {missing}"
     reference = (REPO / "docs" / "configuration.md").read_text()
     new = ("DYN_VLLM_DISAGGREGATION_MODE", "DYN_ENDPOINT", "DYN_CUSTOM_JINJA_TEMPLATE", "DYN_SYSTEM_HOST",
-           "PLANNER_PROMETHEUS_PORT", "DYN_PARENT_DGD_K8S_NAME", "POD_NAMESPACE", "--version", "--metrics-host")  # fmt: skip
+           "PLANNER_PROMETHEUS_PORT", "DYN_PARENT_DGD_K8S_NAME", "POD_NAMESPACE", "--version",
+           "--metrics-host")  # fmt: skip
     assert not [v for v in new if f"`{v}" not in reference]
 
 

@@ -2,8 +2,8 @@
 
 The frontend runs prefill on the prefill worker (component ``prefill``), hands vLLM's KV transfer
 parameters to the decode worker (component ``backend``), whose NixlConnector (with our CPU layer,
-``dynamo.vllm.nixl_cpu``) pulls the prompt's KV. Greedy output must equal vLLM run directly, and each
-pool's FPM records must arrive under its own worker's connection id.
+``dynamo.vllm.cpu_host.nixl_connector``) pulls the prompt's KV. Greedy output must equal vLLM run directly,
+and each pool's FPM records must arrive under its own worker's connection id.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 from disagg_support import process_cpu_seconds
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from stall_meter import Deadline, running_s
 from worker_support import (
     RESTORED_MARK,
@@ -165,9 +166,10 @@ def test_no_worker_thread_is_confined_to_one_core(disagg: Stack) -> None:
 
 
 def test_engine_processes_rest_between_requests(disagg: Stack) -> None:
-    """On CPU a prefill or decode worker makes vLLM's ring-buffer waits sleep (``dynamo.vllm.shm_wait``): right
-    after each message vLLM's engine processes used to call sched_yield in a loop for 1 s, a core each, and a
-    prefill and a decode worker took both cores of this machine from everything else."""
+    """On CPU a prefill or decode worker makes vLLM's ring-buffer waits sleep
+    (``dynamo.vllm.cpu_host.shm_wait``): right after each message vLLM's engine processes used to call
+    sched_yield in a loop for 1 s, a core each, and a prefill and a decode worker took both cores of this
+    machine from everything else."""
     engine = [
         pid
         for proc in disagg.procs[1:]
@@ -216,7 +218,8 @@ async def test_each_pool_publishes_under_its_worker_id(disagg: Stack) -> None:
 def test_a_deleted_registration_comes_back(disagg: Stack) -> None:
     """Another process deleting the prefill worker's discovery entries (what the runtime's expiry does to an
     entry its owner failed to touch) costs the frontend the prefill pool; the worker writes them back within
-    its keep-alive interval and disaggregated requests are served again. Runs last but one: it disturbs the stack."""
+    its keep-alive interval and disaggregated requests are served again. Runs last but one: it disturbs the
+    stack."""
     prefill_entries = [p for p in disagg.file_kv.rglob("*") if p.is_file() and "%2Fprefill%2F" in p.name]
     assert len(prefill_entries) == 2, prefill_entries  # instances/ and mdc/
     frontend, prefill = disagg.procs[0], disagg.procs[1]
@@ -237,10 +240,10 @@ def test_a_deleted_registration_comes_back(disagg: Stack) -> None:
 async def test_a_prefill_drain_waits_for_kv_no_decode_worker_read(
     disagg: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Runs last: ends the prefill worker. A prompt prefilled for a decode worker that never reads it (sent to the
-    prefill worker alone) holds its KV blocks in the prefill engine; a drain waits for them through its grace
-    period (PREFILL_DRAIN_S here, 30 s by default) and counts the hand-off it gave up, instead of stopping the engine under them at
-    once and reporting a clean exit."""
+    """Runs last: ends the prefill worker. A prompt prefilled for a decode worker that never reads it (sent to
+    the prefill worker alone) holds its KV blocks in the prefill engine; a drain waits for them through its
+    grace period (PREFILL_DRAIN_S here, 30 s by default) and counts the hand-off it gave up, instead of
+    stopping the engine under them at once and reporting a clean exit."""
     from dynamo.runtime import DistributedRuntime
 
     frontend, prefill = disagg.procs[0], disagg.procs[1]

@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from metrics_docs import missing
 from worker_support import (
     Proc,
@@ -85,7 +86,8 @@ def stack(
     env = base_env(file_kv, nats_server.url)
     http_port, metrics_port, system_port = free_port(), free_port(), low_free_port()
     frontend = start_frontend(http_port, env, work / "frontend.log")
-    # An empty inductor cache, as on a fresh host: what vLLM compiles on the first logprobs request is not cached.
+    # An empty inductor cache, as on a fresh host: what vLLM compiles on the first logprobs request is not
+    # cached.
     inductor_cache = work / "inductor-cache"
     worker = start_worker(
         tiny_model_dir,
@@ -305,7 +307,10 @@ def test_ready_only_once_the_engine_is_up(stack: Stack) -> None:
     status, body = http_json(f"{stack.system_url}/health")
     assert (status, body["status"]) == (200, "ready")
     text = http_text(f"{stack.system_url}/metrics")
-    labels = f'dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="dynamo",worker_id="{stack.worker_id}"'
+    labels = (
+        'dynamo_component="backend",dynamo_endpoint="generate",dynamo_namespace="dynamo",'
+        f'worker_id="{stack.worker_id}"'
+    )
     assert f"dynamo_worker_ready{{{labels}}} 1.0" in text  # the runtime's label names, as on its own series
 
 

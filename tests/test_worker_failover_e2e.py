@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 import pytest
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from worker_support import (
     Proc,
     base_env,

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from dynamo.common import worker_state as ws
 from dynamo.common.fpm_tracker import FpmTracker
-from dynamo.common.nats_server import EmbeddedNatsServer, free_port
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo.common.ports import free_port
 from worker_support import base_env, complete, model_ready, start_frontend, start_worker, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -77,7 +78,8 @@ async def test_standby_worker_registers_on_sigusr1_and_parks_on_sighup(
         registered_in = float(found.group(1))
         assert registered_in < 1.0, worker.log()[-2000:]
         print(
-            f"registered in {registered_in:.3f} s; the frontend served the model {ready_after:.2f} s after SIGUSR1"
+            f"registered in {registered_in:.3f} s; the frontend served the model {ready_after:.2f} s after "
+            "SIGUSR1"
         )
         out = complete(base_url, {"model": MODEL, "prompt": "hello there", "max_tokens": 4}, file_kv, procs)
         assert out["choices"][0]["text"]

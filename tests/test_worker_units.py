@@ -722,7 +722,8 @@ def test_standby_options_are_read_before_argparse(tmp_path: Path) -> None:
     path = tmp_path / "state.json"
     control = StandbyControl(True, str(path))
     control.write(ws.STANDBY)
-    assert ws.read_state(path) is not None and ws.read_state(path).state == "standby"  # type: ignore[union-attr]
+    read = ws.read_state(path)
+    assert read is not None and read.state == "standby"
     control.gate_file = tmp_path / "registered"
     control.open_gate()
     assert control.gate_file.exists()
@@ -767,7 +768,8 @@ def _engine_config(blocks: int, **parallel: Any) -> _EngineConfig:
 def test_data_parallel_workers_register_one_engines_kv_capacity(
     parallel: dict[str, Any], engines: int
 ) -> None:
-    """vLLM sums the engines' block counts; the model card must carry one engine's (the planner multiplies)."""
+    """vLLM sums the engines' block counts; the model card must carry one engine's (the planner
+    multiplies)."""
     from dynamo.vllm.registration import runtime_config
 
     config = _engine_config(1000 * engines, **parallel)
@@ -798,7 +800,7 @@ def test_engine_hooks_act_only_in_a_workers_engine_processes() -> None:
 
 def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
     import torch
-    from dynamo.vllm import engine_hooks
+    from dynamo.vllm.cpu_host import logprob_ranks
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops import logprobs
 
@@ -806,7 +808,7 @@ def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
     values = torch.tensor([[0.3], [0.0]])
     originals = (logprobs.batched_count_greater_than, sampler.batched_count_greater_than)
     try:
-        assert engine_hooks.eager_logprob_ranks()
+        assert logprob_ranks.eager_logprob_ranks()
         assert sampler.batched_count_greater_than is logprobs.batched_count_greater_than
         assert sampler.batched_count_greater_than(x, values).tolist() == [3, 3]
     finally:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode
 from dynamo.common.fpm_tracker import FpmTracker, record_to_dict
-from dynamo.common.nats_server import free_port
+from dynamo.common.ports import free_port
 from test_fpm_planes import RuntimeReceiver
 from worker_support import (
     Proc,

@@ -26,10 +26,11 @@ from stall_meter import Deadline
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# The KV lease the disaggregated worker tests give vLLM's NixlConnector (its default is 30 s): the prefill side
-# frees blocks no decode worker read within it. This machine kind stalls every process for up to 33 s at a time,
-# and a lease that runs out during a stall frees KV a decode worker then reads anyway ("Potentially invalid KV
-# blocks"). A read that really hangs fails the tests' time bound (30 s of the machine's time) long before.
+# The KV lease the disaggregated worker tests give vLLM's NixlConnector (its default is 30 s): the prefill
+# side frees blocks no decode worker read within it. This machine kind stalls every process for up to 33 s at
+# a time, and a lease that runs out during a stall frees KV a decode worker then reads anyway ("Potentially
+# invalid KV blocks"). A read that really hangs fails the tests' time bound (30 s of the machine's time) long
+# before.
 E2E_KV_LEASE_S = 120
 
 ENGINE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", "32"]
@@ -210,7 +211,8 @@ async def until(predicate: Any, what: str, timeout: float, interval: float = 0.0
 
 
 def sse_chunks(lines: Any) -> Any:
-    """The JSON chunks of an OpenAI server-sent-events stream (``response.iter_lines()``), ``[DONE]`` left out."""
+    """The JSON chunks of an OpenAI server-sent-events stream (``response.iter_lines()``), ``[DONE]`` left
+    out."""
     for line in lines:
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[6:])
@@ -300,7 +302,9 @@ _REFERENCE_SCRIPT = textwrap.dedent(
 
     def main():
         spec = json.load(open(sys.argv[1]))
-        llm = LLM(spec["model"], dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32, seed=0)
+        llm = LLM(
+            spec["model"], dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32, seed=0
+        )
         tok = llm.get_tokenizer()
         out = []
         for item in spec["requests"]:

@@ -99,7 +99,8 @@ def run_upstream(
             cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(REPO_ROOT), check=False
         )
     except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        # Captured output of a timed-out run is bytes even with text=True (subprocess.TimeoutExpired).
+        stderr = exc.stderr.decode(errors="replace") if exc.stderr else ""
         raise RuntimeError(f"upstream planner run timed out after {timeout_s:g} s\n{_tail(stderr)}") from None
     if proc.returncode != 0:
         raise RuntimeError(f"upstream planner run failed (exit {proc.returncode})\n{_tail(proc.stderr)}")
@@ -110,6 +111,7 @@ def run_upstream(
         record = None
     if not isinstance(record, dict):
         raise RuntimeError(
-            f"upstream planner run printed no JSON result\nstdout: {_tail(proc.stdout, 3)}\n{_tail(proc.stderr)}"
+            "upstream planner run printed no JSON result\nstdout: "
+            f"{_tail(proc.stdout, 3)}\n{_tail(proc.stderr)}"
         )
     return record

@@ -200,7 +200,8 @@ def render(rec: Mapping[str, Any], extra: Mapping[str, Any]) -> str:
                 else f"within SLA {rec['goodput_requests']} ({rec['goodput_pct']:.1f}%; "
                 f"TTFT <= {extra['sla_ttft_ms']}, ITL <= {extra['sla_itl_ms']})"
             ),
-            f"  GPU-hours {rec['gpu_hours']:.3f}; p90 TTFT {ms(rec['p90_ttft_ms'])}, p90 ITL {ms(rec['p90_itl_ms'])}",
+            f"  GPU-hours {rec['gpu_hours']:.3f}; p90 TTFT {ms(rec['p90_ttft_ms'])}, p90 ITL "
+            f"{ms(rec['p90_itl_ms'])}",
             f"  scaling actions {rec['scaling_actions']} (prefill {rec['actions']['prefill']}, decode "
             f"{rec['actions']['decode']}), direction flips {rec['direction_flips']}; "
             f"lifecycle planner ops {extra['planner_ops']}",
@@ -246,10 +247,11 @@ class Progress:
             progress.sim_s = float(result.get("now_ms", 0.0)) / 1000.0
             return original(self, result)
 
+        # Upstream's adapter has no hook for its ticks: its method is replaced for the run, then put back.
         ReplayPlannerAdapter.on_tick = on_tick  # type: ignore[method-assign]
 
         def undo() -> None:
-            ReplayPlannerAdapter.on_tick = original  # type: ignore[method-assign]
+            ReplayPlannerAdapter.on_tick = original  # type: ignore[method-assign]  # put back (see above)
 
         return undo
 
@@ -281,7 +283,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog="run.py",
-        description="Upstream Dynamo 1.6.1's load-based planner on Dynamo's fleet simulator (mocker, virtual clock).",
+        description="Upstream Dynamo 1.6.1's load-based planner on Dynamo's fleet simulator (mocker, virtual "
+        "clock).",
     )
     ap.add_argument(
         "--trace",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+from dynamo.planner.decision_log import DecisionEntry
+
 from .load import LoadState
-from .signals import Decision, FpmSample
+from .signals import FpmSample
 
 
 def progress_bar(fraction: float, width: int = 30) -> str:
@@ -36,10 +38,10 @@ def engine_rows(engines: list[FpmSample]) -> list[str]:
     return rows
 
 
-def decision_rows(decisions: list[Decision], t0: float, limit: int = 8) -> list[str]:
+def decision_rows(decisions: list[DecisionEntry], t0: float, limit: int = 8) -> list[str]:
     """The latest decisions, actions marked with '>>' and holds shown once per reason run."""
     rows: list[str] = []
-    shown: list[Decision] = []
+    shown: list[DecisionEntry] = []
     for d in decisions:
         if shown and not d.is_action and not shown[-1].is_action:
             prev = shown[-1]
@@ -49,14 +51,14 @@ def decision_rows(decisions: list[Decision], t0: float, limit: int = 8) -> list[
         shown.append(d)
     for d in shown[-limit:]:
         mark = ">>" if d.is_action else "  "
-        rows.append(f"{mark} +{d.t - t0:6.1f}s {d.pool:<8}{d.current} -> {d.desired}  {d.reason[:70]}")
+        rows.append(f"{mark} +{d.ts - t0:6.1f}s {d.pool:<8}{d.current} -> {d.desired}  {d.reason[:70]}")
     return rows or ["  (no planner decisions yet)"]
 
 
 def render(
     load: LoadState,
     engines: list[FpmSample],
-    decisions: list[Decision],
+    decisions: list[DecisionEntry],
     replicas: dict[str, int | None],
     t0: float,
     title: str = "dynamo-fpm demo",
@@ -77,7 +79,7 @@ def render(
         + (f"   last error: {load.last_error[:60]}" if load.last_error else ""),
         "replicas  " + "   ".join(f"{p}: {'?' if n is None else n}" for p, n in replicas.items()),
         *(
-            [f"          planner's workers: {connector_line(connector)}"]
+            [f"          planner's workers: {connector_line(connector or {})}"]
             if connector_line(connector or {})
             else []
         ),
@@ -98,8 +100,13 @@ def connector_line(connector: dict[str, dict[str, int] | None]) -> str:
     for pool, c in connector.items():
         if not c:
             continue
-        items = [f"{c.get(k, 0)} {label}" for k, label in (("starting", "starting"), ("standby", "standby (warm)"),
-                 ("standby_loading", "standby loading"), ("draining", "draining")) if c.get(k)]  # fmt: skip
+        labels = (
+            ("starting", "starting"),
+            ("standby", "standby (warm)"),
+            ("standby_loading", "standby loading"),
+            ("draining", "draining"),
+        )
+        items = [f"{c.get(k, 0)} {label}" for k, label in labels if c.get(k)]
         parts.append(f"{pool}: " + (", ".join(items) if items else "all serving"))
     return "   ".join(parts)
 

@@ -141,8 +141,8 @@ async def stream_completion(
                     res.error = str(chunk["error"])[:200]
                     return res
                 choices = chunk.get("choices") or []
-                text = choices[0].get("text") if choices else None
-                if text is None or (text == "" and choices[0].get("finish_reason")):
+                piece = choices[0].get("text") if choices else None
+                if piece is None or (piece == "" and choices[0].get("finish_reason")):
                     continue  # not a token (a final or bookkeeping frame)
                 now = time.perf_counter()
                 if state is not None:

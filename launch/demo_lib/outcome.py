@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .signals import ConnectorEvent, Decision, FpmSample
+from dynamo.planner.decision_log import DecisionEntry
+
+from .signals import ConnectorEvent, FpmSample
 
 # The bar the demo sets: the added replica works within this long of the decision ...
 FIRST_WORK_LIMIT_S = 10.0
@@ -52,7 +54,7 @@ def _works(s: FpmSample) -> bool:
 
 def scaled_replica(
     samples: list[FpmSample],
-    decisions: list[Decision],
+    decisions: list[DecisionEntry],
     events: list[ConnectorEvent],
     burst_start: float,
     burst_end: float,
@@ -62,13 +64,13 @@ def scaled_replica(
         (
             d
             for d in decisions
-            if d.pool == "decode" and d.direction > 0 and burst_start <= d.t <= burst_end + grace_s
+            if d.pool == "decode" and d.direction > 0 and burst_start <= d.ts <= burst_end + grace_s
         ),
-        key=lambda d: d.t,
+        key=lambda d: d.ts,
     )
     if not ups:
         return ScaledReplica()
-    t_dec = ups[0].t
+    t_dec = ups[0].ts
     decode = [s for s in samples if s.pool == "decode"]
     worker, serving_t = None, None
     joined = sorted(
@@ -111,7 +113,9 @@ def describe(r: ScaledReplica) -> str:
         )
     share = r.decode_share or 0.0
     return (
-        f"Scaled replica took load: {'YES' if r.took_load else 'NO'} - first decode work {r.first_work_s:.1f} s "
-        f"after the scale-up decision (bar: {FIRST_WORK_LIMIT_S:.0f} s); it carried {share * 100:.0f}% of the "
+        f"Scaled replica took load: {'YES' if r.took_load else 'NO'} - first decode work "
+        f"{r.first_work_s:.1f} s "
+        f"after the scale-up decision (bar: {FIRST_WORK_LIMIT_S:.0f} s); it carried {share * 100:.0f}% of "
+        "the "
         f"decode pool's tokens from then to the burst's end (bar: {MIN_DECODE_SHARE * 100:.0f}%)."
     )

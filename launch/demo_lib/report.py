@@ -5,12 +5,15 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynamo.planner.decision_log import DecisionEntry
+
 from . import timeline
 from .load import RequestResult, latency_summary
-from .signals import ConnectorEvent, Decision, FpmSample
+from .signals import ConnectorEvent, FpmSample
 from .verdict import Verdict
 
 FIGURE = "timeline.png"
@@ -20,7 +23,7 @@ FIGURE = "timeline.png"
 class ReportData:
     t0: float
     samples: list[FpmSample]
-    decisions: list[Decision]
+    decisions: list[DecisionEntry]
     results: list[RequestResult]
     phase_times: list[tuple[str, float, float]]
     verdict: Verdict
@@ -37,7 +40,7 @@ def make_timeline(data: ReportData) -> timeline.Timeline:
         max(
             [data.t0 + 1.0]
             + [s.t for s in data.samples]
-            + [d.t for d in data.decisions]
+            + [d.ts for d in data.decisions]
             + [e for _, _, e in data.phase_times]
         )
         + 5.0
@@ -61,7 +64,8 @@ def make_timeline(data: ReportData) -> timeline.Timeline:
 
 
 def _fmt_s(v: object) -> str:
-    return "-" if v is None else f"{float(v) * 1000:.0f} ms"  # type: ignore[arg-type]
+    """Seconds as whole milliseconds; ``-`` for a figure that is missing (None) or not a number."""
+    return f"{float(v) * 1000:.0f} ms" if isinstance(v, int | float) else "-"
 
 
 def _compare_rows(data: ReportData) -> str:
@@ -73,7 +77,7 @@ def _compare_rows(data: ReportData) -> str:
     off = base_lat.get("burst", {}) if isinstance(base_lat, dict) else {}
     keys = ("requests", "tokens", "failed", "ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
 
-    def cell(s: dict[str, object], k: str) -> str:
+    def cell(s: Mapping[str, object], k: str) -> str:
         v = s.get(k)
         return _fmt_s(v) if k.startswith(("ttft", "itl")) else e(str(v if v is not None else "-"))
 
@@ -82,7 +86,10 @@ def _compare_rows(data: ReportData) -> str:
         f"<tr><td>{label}</td>" + "".join(f"<td>{cell(s, k)}</td>" for k in keys) + "</tr>"
         for label, s in (("planner on", on), ("planner off", off))
     )
-    return f"<h2>The same load with the planner off (--compare)</h2><table><tr><th>burst</th>{head}</tr>{rows}</table>"
+    return (
+        "<h2>The same load with the planner off (--compare)</h2>"
+        f"<table><tr><th>burst</th>{head}</tr>{rows}</table>"
+    )
 
 
 def _event_rows(data: ReportData) -> str:
@@ -98,14 +105,16 @@ def _event_rows(data: ReportData) -> str:
 def render_html(data: ReportData, png: bytes) -> str:
     e = html.escape
     summary = latency_summary(data.results)
+    percentiles = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p90", "itl_p99")
     rows = "".join(
-        f"<tr><td>{e(name)}</td><td>{s['requests']}</td><td>{s['failed']}</td><td>{s['cancelled']}</td><td>{s['tokens']}</td>"
-        + "".join(f"<td>{_fmt_s(s[k])}</td>" for k in ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p90", "itl_p99"))
+        f"<tr><td>{e(name)}</td><td>{s['requests']}</td><td>{s['failed']}</td><td>{s['cancelled']}</td>"
+        f"<td>{s['tokens']}</td>"
+        + "".join(f"<td>{_fmt_s(s[k])}</td>" for k in percentiles)
         + "</tr>"
         for name, s in summary.items()
     )  # fmt: skip
     actions = "".join(
-        f"<tr><td>+{d.t - data.t0:.1f} s</td><td>{e(d.pool)}</td><td>{d.current} &rarr; {d.desired}</td>"
+        f"<tr><td>+{d.ts - data.t0:.1f} s</td><td>{e(d.pool)}</td><td>{d.current} &rarr; {d.desired}</td>"
         f"<td>{e(d.reason)}</td></tr>"
         for d in data.decisions
         if d.is_action
@@ -115,7 +124,8 @@ def render_html(data: ReportData, png: bytes) -> str:
     lines = data.verdict.lines if data.planner else ("The planner was off: this is the baseline run.",)
     verdict = "".join(f"<li>{e(line)}</li>" for line in lines)
     notes = "".join(f"<p class=note>{e(n)}</p>" for n in data.notes)
-    plots = f'<div class=plot><img alt="timeline" src="data:image/png;base64,{base64.b64encode(png).decode()}"></div>'
+    image = base64.b64encode(png).decode()
+    plots = f'<div class=plot><img alt="timeline" src="data:image/png;base64,{image}"></div>'
     settings = e(json.dumps(data.settings, indent=2, default=str))
     events = _event_rows(data)
     compare = _compare_rows(data)
@@ -133,23 +143,24 @@ table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padd
 {compare}
 <h2>How to read this</h2>
 <p>Every panel shares one time axis: seconds since the load began. Shaded bands are the load phases (warm-up,
-the decode-heavy burst, idle, settle). Dashed vertical lines are the planner's scaling actions (red: decode pool,
-blue: prefill pool), labelled with their reasons in the top panel. The replica panels draw the planner's
+the decode-heavy burst, idle, settle). Dashed vertical lines are the planner's scaling actions (red: decode
+pool, blue: prefill pool), labelled with their reasons in the top panel. The replica panels draw the planner's
 <i>desired</i> count next to what really ran: replicas <i>registered</i> (publishing forward-pass metrics),
 replicas <i>serving</i> (scheduling work in the last few seconds), and the connector's workers still
 <i>starting</i> and its warm <i>standbys</i> (loaded, not registered). The burst sends many concurrent long
-generations with short prompts: the decode pool's queues and KV grow while the prefill pool's queue stays small,
-so the right reaction is to scale decode up, leave prefill alone, and return both to their minimum when idle;
-the "decode tokens/s per engine" panel shows whether the added replica really took its share.
-"KV in transfer" is decode work waiting for its KV from a prefill worker; "KV ready" waits only for a slot.</p>
+generations with short prompts: the decode pool's queues and KV grow while the prefill pool's queue stays
+small, so the right reaction is to scale decode up, leave prefill alone, and return both to their minimum when
+idle; the "decode tokens/s per engine" panel shows whether the added replica really took its share.
+"KV in transfer" is decode work waiting for its KV from a prefill worker; "KV ready" waits only for a
+slot.</p>
 {plots}
 <h2>Request latency (successful requests)</h2>
 <p>TTFT: time to the first streamed token. ITL: a request's mean inter-token latency (first to last token over
 the gaps between them); percentiles over requests.</p>
 <p>Requests still running when their phase ended were cut off on purpose (client disconnect) and are counted
 as "cut off", not as failures; their tokens and timings up to then are included.</p>
-<table><tr><th>phase</th><th>requests</th><th>failed</th><th>cut off</th><th>tokens</th><th>TTFT p50</th><th>TTFT p90</th>
-<th>TTFT p99</th><th>ITL p50</th><th>ITL p90</th><th>ITL p99</th></tr>{rows}</table>
+<table><tr><th>phase</th><th>requests</th><th>failed</th><th>cut off</th><th>tokens</th><th>TTFT p50</th>
+<th>TTFT p90</th><th>TTFT p99</th><th>ITL p50</th><th>ITL p90</th><th>ITL p99</th></tr>{rows}</table>
 <h2>Planner actions</h2>
 <table><tr><th>time</th><th>pool</th><th>replicas</th><th>reason</th></tr>{actions}</table>
 <p>{holds} hold decisions (no change) are in <code>decisions.jsonl</code>.</p>

@@ -13,10 +13,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
@@ -113,8 +113,9 @@ class DemoRun:
         if stalled >= STALL_WARN_S and not self._stall_warned:
             self._stall_warned = True
             self.say(
-                f"WARNING: {self.load.in_flight} requests in flight but no token for {stalled:.0f} s: the stack "
-                f"looks stuck (KV transfer between prefill and decode?); see {self.cfg.run_dir / 'logs'}"
+                f"WARNING: {self.load.in_flight} requests in flight but no token for {stalled:.0f} s: "
+                "the stack looks stuck (KV transfer between prefill and decode?); "
+                f"see {self.cfg.run_dir / 'logs'}"
             )
         elif stalled == 0.0 or self.load.last_token_at > time.time() - 5:
             self._stall_warned = False
@@ -180,7 +181,8 @@ class DemoRun:
             return
         self.sup.start("planner", stack.planner_argv(self.cfg), stack.stack_env(self.cfg))
         self.say(
-            f"planner         local connector, prefill {c.minimum['prefill']}..{0 if c.agg else c.prefill_max}, "
+            "planner         local connector, prefill "
+            f"{c.minimum['prefill']}..{0 if c.agg else c.prefill_max}, "
             f"decode {c.decode_min}..{c.decode_max}, every {c.planner_interval_s:g} s"
             + (f", {c.decode_standby} warm decode standby" if c.decode_standby else "")
         )
@@ -258,8 +260,8 @@ class DemoRun:
             start,
             done="decode standby warm",
             waiting="standby still loading",
-            timeout_what=f"the planner's decode standby was not warm after {self.startup_timeout_s:.0f} s; see "
-            f"{self.cfg.run_dir / 'logs'} (planner.log, decode-*.log)",
+            timeout_what=f"the planner's decode standby was not warm after {self.startup_timeout_s:.0f} s; "
+            f"see {self.cfg.run_dir / 'logs'} (planner.log, decode-*.log)",
         )
 
     async def drive(self) -> None:
@@ -328,7 +330,7 @@ class DemoRun:
         self.report_path = write_report(data, self.cfg.run_dir / "report")
         v = self.verdict
         latency = latency_summary(self.load.results)
-        summary = {
+        summary: dict[str, object] = {
             "planner": self.cfg.planner,
             "passed": v.passed if self.cfg.planner else None,
             "lines": list(v.lines),
@@ -374,7 +376,8 @@ class DemoRun:
             f'-d \'{{"model":"{c.served_model_name}","prompt":"the a of","max_tokens":16}}\''
         )
         self.say(
-            f"  NATS_SERVER={c.nats_url} {c.python} -m dynamo.common.recv_forward_pass_metrics --namespace {c.namespace}"
+            f"  NATS_SERVER={c.nats_url} {c.python} -m dynamo.common.recv_forward_pass_metrics --namespace "
+            f"{c.namespace}"
         )
         self.say(f"  tail -f {c.run_dir / 'logs'}/*.log")
         while True:
@@ -449,13 +452,13 @@ class DemoRun:
         self.say(f"all processes stopped; logs in {self.cfg.run_dir / 'logs'}")
 
 
-def burst_line(latency: dict[str, dict[str, object]]) -> str:
+def burst_line(latency: Mapping[str, Mapping[str, object]]) -> str:
     """The burst's requests, tokens and latency percentiles in one line."""
     b = latency.get("burst") or {}
 
     def ms(key: str) -> str:
         v = b.get(key)
-        return "-" if v is None else f"{float(v) * 1000:.0f} ms"  # type: ignore[arg-type]
+        return f"{float(v) * 1000:.0f} ms" if isinstance(v, int | float) else "-"
 
     return (
         f"burst {b.get('requests', 0)} requests, {b.get('tokens', 0)} tokens; TTFT p50 {ms('ttft_p50')} "
@@ -480,12 +483,12 @@ def _side_channel_port() -> int:
     return stable_free_port()
 
 
-def make_config(run_dir: Path, **kw: object) -> stack.DemoConfig:
+def make_config(run_dir: Path, **kw: Any) -> stack.DemoConfig:
     return stack.DemoConfig(
         run_dir=run_dir,
         model_dir=run_dir / "model",
         discovery_dir=run_dir / "discovery",
         nats_port=_free(),
         http_port=_free(),
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )

@@ -2,8 +2,10 @@
 the planner's ``local`` connector events (``logs/local-connector-events.jsonl``: workers started, promoted,
 serving, parked, stopped, with the per-pool counts after each).
 
-Parsing is tolerant on purpose (key aliases, missing fields): the files are written by other processes
-that may be mid-line or of a slightly different version; a bad line is counted, never fatal.
+Each line is read through the project's own parser of its format: the planner's replay reader for the watch
+CLI's FPM lines (:func:`dynamo.planner.replay.parse_object`), the decision log's reader for decisions
+(:func:`dynamo.planner.decision_log.parse_entry`). The files are written by other processes that may be
+mid-line: an incomplete line waits for its end, a bad one is counted, never fatal.
 """
 
 from __future__ import annotations
@@ -14,15 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynamo.planner.decision_log import DecisionEntry, parse_entry
+from dynamo.planner.replay import parse_object as parse_fpm_object
+
 POOL_OF_COMPONENT = {"prefill": "prefill", "backend": "decode", "decode": "decode"}
 POOLS = ("prefill", "decode")
-
-
-def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for k in keys:
-        if k in d and d[k] is not None:
-            return d[k]
-    return default
 
 
 def _num(v: Any) -> float:
@@ -58,95 +56,37 @@ class FpmSample:
         return (self.pool, self.worker, self.dp_rank)
 
 
+def _opt(v: int | None) -> float | None:
+    return None if v is None else float(v)
+
+
 def parse_fpm_line(obj: dict[str, Any], now: float | None = None) -> FpmSample | None:
     """One watch-CLI JSON object -> sample; None when it is not an FPM record of a known pool."""
-    rec = obj.get("record") if isinstance(obj.get("record"), dict) else obj
-    comp = _first(obj, "component", "pool", default=None) or _first(rec, "component", default="")
-    pool = POOL_OF_COMPONENT.get(str(comp))
-    if pool is None:
-        subject = str(_first(obj, "subject", default=""))
-        parts = subject.split(".")
-        if len(parts) >= 4 and parts[2] == "component":
-            pool = POOL_OF_COMPONENT.get(parts[3])
+    parsed = parse_fpm_object(obj)
+    if parsed is None:
+        return None
+    component, _endpoint, rec, t = parsed
+    pool = POOL_OF_COMPONENT.get(component)
     if pool is None:
         return None
-    sched = rec.get("scheduled_requests") or rec.get("scheduled") or {}
-    queued = rec.get("queued_requests") or rec.get("queued") or {}
-    t = _first(obj, "received_at", "time", "ts", "t", default=None)
-    if t is None:  # the watch CLI's envelope time stamp (publisher's epoch ms)
-        ms = _first(obj, "published_at_ms", "published_at", default=None)
-        t = _num(ms) / 1000.0 if ms is not None else None
-    t = _num(t) if t is not None else (now if now is not None else time.time())
-
-    def opt(key: str) -> float | None:
-        v = queued.get(key)
-        return None if v is None else _num(v)
-
+    sched, queued = rec.scheduled_requests, rec.queued_requests
     return FpmSample(
-        t=t,
+        t=t if t is not None else (now if now is not None else time.time()),
         pool=pool,
-        worker=str(_first(rec, "worker_id", default="?")),
-        dp_rank=int(_num(_first(rec, "dp_rank", default=0))),
-        wall_time=_num(rec.get("wall_time")),
-        queued_prefill_tokens=_num(queued.get("sum_prefill_tokens")),
-        queued_prefill_requests=_num(queued.get("num_prefill_requests")),
-        queued_decode_requests=_num(queued.get("num_decode_requests")),
-        queued_decode_kv_tokens=_num(queued.get("sum_decode_kv_tokens")),
-        kv_transfer_tokens=opt("sum_decode_kv_transfer_tokens"),
-        kv_ready_tokens=opt("sum_decode_kv_ready_tokens"),
-        kv_transfer_requests=opt("num_decode_kv_transfer_requests"),
-        kv_ready_requests=opt("num_decode_kv_ready_requests"),
-        scheduled_decode_requests=_num(sched.get("num_decode_requests")),
-        scheduled_decode_kv_tokens=_num(sched.get("sum_decode_kv_tokens")),
-        scheduled_prefill_tokens=_num(sched.get("sum_prefill_tokens")),
-    )
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One planner decision (holds included)."""
-
-    t: float
-    pool: str
-    current: int
-    desired: int
-    reason: str
-    raw: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def is_action(self) -> bool:
-        return self.desired != self.current
-
-    @property
-    def direction(self) -> int:
-        return (self.desired > self.current) - (self.desired < self.current)
-
-
-def parse_decision_line(obj: dict[str, Any]) -> Decision | None:
-    """One decision-log object -> Decision; None if it lacks a pool or replica counts."""
-    pool = str(_first(obj, "pool", "component", default=""))
-    pool = POOL_OF_COMPONENT.get(pool, pool)
-    if pool not in POOLS:
-        return None
-    current = _first(obj, "current", "current_replicas", "replicas", default=None)
-    desired = _first(obj, "desired", "desired_replicas", "target", "target_replicas", default=None)
-    if current is None or desired is None:
-        return None
-    t = _first(obj, "ts", "time", "timestamp", "t", default=None)
-    if isinstance(t, str):
-        try:
-            from datetime import datetime
-
-            t = datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            t = None
-    return Decision(
-        t=_num(t) if t is not None else time.time(),
-        pool=pool,
-        current=int(_num(current)),
-        desired=int(_num(desired)),
-        reason=str(_first(obj, "reason", "why", default="")),
-        raw=obj,
+        worker=rec.worker_id,
+        dp_rank=rec.dp_rank,
+        wall_time=rec.wall_time,
+        queued_prefill_tokens=float(queued.sum_prefill_tokens),
+        queued_prefill_requests=float(queued.num_prefill_requests),
+        queued_decode_requests=float(queued.num_decode_requests),
+        queued_decode_kv_tokens=float(queued.sum_decode_kv_tokens),
+        kv_transfer_tokens=_opt(queued.sum_decode_kv_transfer_tokens),
+        kv_ready_tokens=_opt(queued.sum_decode_kv_ready_tokens),
+        kv_transfer_requests=_opt(queued.num_decode_kv_transfer_requests),
+        kv_ready_requests=_opt(queued.num_decode_kv_ready_requests),
+        scheduled_decode_requests=float(sched.num_decode_requests),
+        scheduled_decode_kv_tokens=float(sched.sum_decode_kv_tokens),
+        scheduled_prefill_tokens=float(sched.sum_prefill_tokens),
     )
 
 
@@ -174,7 +114,8 @@ def parse_connector_event(obj: dict[str, Any]) -> ConnectorEvent | None:
     pool = str(obj.get("pool", ""))
     if pool not in POOLS or "event" not in obj:
         return None
-    counts = obj.get("counts") if isinstance(obj.get("counts"), dict) else {}
+    raw_counts = obj.get("counts")
+    counts: dict[str, Any] = raw_counts if isinstance(raw_counts, dict) else {}
     return ConnectorEvent(
         t=_num(obj.get("t")),
         event=str(obj["event"]),
@@ -234,7 +175,7 @@ class Signals:
     decision_path: Path
     events_path: Path | None = None
     samples: list[FpmSample] = field(default_factory=list)
-    decisions: list[Decision] = field(default_factory=list)
+    decisions: list[DecisionEntry] = field(default_factory=list)
     events: list[ConnectorEvent] = field(default_factory=list)
     latest: dict[tuple[str, str, int], FpmSample] = field(default_factory=dict)
     stale_after_s: float = 5.0
@@ -251,7 +192,7 @@ class Signals:
                 self.samples.append(s)
                 self.latest[s.key] = s
         for obj in self._dec.read_new():
-            d = parse_decision_line(obj)
+            d = parse_entry(obj)
             if d is not None:
                 self.decisions.append(d)
         for obj in self._ev.read_new() if self._ev is not None else []:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamo.vllm import shm_wait
+from dynamo.vllm.cpu_host import shm_wait
 
 from .load import Phase
 
@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 # CPU disaggregation: vLLM's NixlConnector through the project's CPU compatibility module.
 CPU_KV_TRANSFER_CONFIG = {
     "kv_connector": "NixlConnector",
-    "kv_connector_module_path": "dynamo.vllm.nixl_cpu",
+    "kv_connector_module_path": "dynamo.vllm.cpu_host.nixl_connector",
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
 }
@@ -59,9 +59,9 @@ class DemoConfig:
     decode_kv_blocks: int = 64
     prefill_kv_blocks: int = 256
     decode_max_num_seqs: int = 16
-    # How long a prefill worker keeps a prompt's KV for the decode worker to read (vLLM's default is 30 s). A laptop
-    # or a small VM running several engines may stop processes for tens of seconds (33 s measured on CI's VMs);
-    # a lease that runs out meanwhile frees KV the decode worker then reads anyway.
+    # How long a prefill worker keeps a prompt's KV for the decode worker to read (vLLM's default is 30 s). A
+    # laptop or a small VM running several engines may stop processes for tens of seconds (33 s measured on
+    # CI's VMs); a lease that runs out meanwhile frees KV the decode worker then reads anyway.
     kv_lease_s: int = 120
     extra_env: dict[str, str] = field(default_factory=dict)
 

@@ -2,7 +2,7 @@
 
 Each child runs in its own session (process group) and carries a marker variable in its environment
 (``DEMO_RUN_ID``). Children inherit it, so grandchildren (workers a planner starts) are found and
-stopped too, even after their parent died: cleanup scans ``/proc`` for the marker.
+stopped too, even after their parent died: cleanup scans the process table (``psutil``) for the marker.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 RUN_MARKER = "DEMO_RUN_ID"
 
@@ -67,15 +69,12 @@ def tail_lines(path: Path, n: int = 20) -> str:
     return "\n".join(data.splitlines()[-n:])
 
 
-def _stat(pid: str) -> tuple[int, int, str, int] | None:
-    """(ppid, session id, state, start time in clock ticks since boot) of a process, None if it is gone."""
+def _alive(proc: psutil.Process) -> bool:
+    """Whether the process still runs (not gone, not a zombie)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        return int(fields[1]), int(fields[3]), fields[0].decode(), int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def pids_with_marker(marker_value: str) -> list[int]:
@@ -85,22 +84,19 @@ def pids_with_marker(marker_value: str) -> list[int]:
     The environment alone is not enough: vLLM renames its engine processes (``VLLM::EngineCore``) by
     rewriting the memory that ``/proc/<pid>/environ`` shows, so the marker disappears from them.
     """
-    needle = f"{RUN_MARKER}={marker_value}".encode()
     procs: dict[int, tuple[int, int]] = {}  # pid -> (ppid, sid), live ones only
     marked: set[int] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for proc in psutil.process_iter(["ppid", "status"]):
+        if proc.info["status"] in (None, psutil.STATUS_ZOMBIE):
             continue
-        st = _stat(entry.name)
-        if st is None or st[2] == "Z":
-            continue
-        pid = int(entry.name)
-        procs[pid] = (st[0], st[1])
         try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                if needle in fh.read().split(b"\0"):
-                    marked.add(pid)
-        except OSError:
+            procs[proc.pid] = (int(proc.info["ppid"]), os.getsid(proc.pid))
+        except (OSError, TypeError):
+            continue
+        try:
+            if proc.environ().get(RUN_MARKER) == marker_value:
+                marked.add(proc.pid)
+        except psutil.Error:
             continue
     own_sid = os.getsid(0)
     sessions = {procs[p][1] for p in marked if procs[p][1] != own_sid}
@@ -116,17 +112,19 @@ def pids_with_marker(marker_value: str) -> list[int]:
 
 def _cmdline(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:300]
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline()).strip()[:300]
+    except psutil.Error:
         return "?"
 
 
-def _start_time(pid: int) -> int | None:
+def _start_time(pid: int) -> float | None:
     """When the process started: with the pid it names one process even if the pid is reused later. None if it
     is gone (or a zombie)."""
-    st = _stat(str(pid))
-    return None if st is None or st[2] == "Z" else st[3]
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() if _alive(proc) else None
+    except psutil.Error:
+        return None
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -242,7 +240,7 @@ class Supervisor:
                 m.proc.wait(5)
         return self.kill_marked(grace=5.0, members=members)
 
-    def _left(self, members: Mapping[int, int | None]) -> list[int]:
+    def _left(self, members: Mapping[int, float | None]) -> list[int]:
         """Live processes of the run: the marker scan, plus listed members that are still the same process."""
         me = os.getpid()
         listed = {
@@ -250,9 +248,9 @@ class Supervisor:
         }
         return sorted((set(pids_with_marker(self.run_id)) | listed) - {me})
 
-    def kill_marked(self, grace: float = 5.0, members: Mapping[int, int | None] | None = None) -> list[str]:
-        """SIGTERM, then SIGKILL, every live process with this run's marker and every listed member still alive
-        (pid -> start time, from before the stop; never ourselves).
+    def kill_marked(self, grace: float = 5.0, members: Mapping[int, float | None] | None = None) -> list[str]:
+        """SIGTERM, then SIGKILL, every live process with this run's marker and every listed member still
+        alive (pid -> start time, from before the stop; never ourselves).
 
         Returns ``"pid command"`` of each process found (should be none after a clean stop).
         """

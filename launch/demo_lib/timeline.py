@@ -14,11 +14,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dynamo.planner.decision_log import DecisionEntry
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
 from .load import RequestResult
-from .signals import ConnectorEvent, Decision, FpmSample
+from .signals import ConnectorEvent, FpmSample
 
 BAND_COLORS = {"warmup": "#f0f0f0", "burst": "#fde3e3", "idle": "#e8f4e8", "settle": "#f5f5f5"}
 POOL_COLORS = {"decode": "#d62728", "prefill": "#1f77b4"}
@@ -33,7 +34,7 @@ class Timeline:
     t0: float
     end: float
     samples: list[FpmSample]
-    decisions: list[Decision]
+    decisions: list[DecisionEntry]
     results: list[RequestResult]
     phase_times: list[tuple[str, float, float]]
     minimum: dict[str, int]
@@ -53,9 +54,9 @@ def _name(tl: Timeline, s: FpmSample) -> str:
 
 def desired_steps(tl: Timeline, pool: str) -> tuple[list[float], list[float]]:
     xs, ys = [0.0], [float(tl.minimum.get(pool, 1))]
-    for d in sorted(tl.decisions, key=lambda d: d.t):
+    for d in sorted(tl.decisions, key=lambda d: d.ts):
         if d.pool == pool and d.is_action:
-            xs.append(d.t - tl.t0)
+            xs.append(d.ts - tl.t0)
             ys.append(float(d.desired))
     xs.append(tl.end - tl.t0)
     ys.append(ys[-1])
@@ -149,7 +150,7 @@ def _decorate(ax: Axes, tl: Timeline, *, label_actions: bool = False) -> None:
         ax.axvspan(s - tl.t0, e - tl.t0, color=BAND_COLORS.get(name, "#f5f5f5"), zorder=0, lw=0)
     for d in tl.decisions:
         if d.is_action:
-            ax.axvline(d.t - tl.t0, color=POOL_COLORS.get(d.pool, "#444"), ls="--", lw=1.0, zorder=1)
+            ax.axvline(d.ts - tl.t0, color=POOL_COLORS.get(d.pool, "#444"), ls="--", lw=1.0, zorder=1)
     if label_actions:
         top = ax.get_ylim()[1]
         for name, s, _ in tl.phase_times:
@@ -157,10 +158,10 @@ def _decorate(ax: Axes, tl: Timeline, *, label_actions: bool = False) -> None:
         span = max(1.0, tl.end - tl.t0)
         for i, d in enumerate(a for a in tl.decisions if a.is_action):
             reason = d.reason if len(d.reason) <= 70 else d.reason[:67] + "..."
-            left = (d.t - tl.t0) > 0.6 * span  # late actions are labelled leftwards, inside the panel
+            left = (d.ts - tl.t0) > 0.6 * span  # late actions are labelled leftwards, inside the panel
             ax.annotate(
                 f"{d.pool} {d.current}→{d.desired}: {reason}",
-                xy=(d.t - tl.t0, top * (0.85 - 0.13 * (i % 4))),
+                xy=(d.ts - tl.t0, top * (0.85 - 0.13 * (i % 4))),
                 fontsize=6.5,
                 color=POOL_COLORS.get(d.pool, "#444"),
                 xytext=(-3 if left else 3, 0),

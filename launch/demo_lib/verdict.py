@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dynamo.planner.decision_log import DecisionEntry
+
 from .outcome import ScaledReplica, describe
-from .signals import Decision
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Verdict:
     decode_up_after_s: float | None  # from the burst's start to the first decode scale-up decision
     decode_peak: int
     prefill_scaled_up: bool
-    wrong_pool_actions: list[Decision] = field(default_factory=list)
+    wrong_pool_actions: list[DecisionEntry] = field(default_factory=list)
     final_replicas: dict[str, int] = field(default_factory=dict)
     returned_to_min: bool = False
     back_to_min_after_s: float | None = None  # from the burst's end to the last pool reaching its minimum
@@ -38,7 +39,7 @@ class Verdict:
         )
 
 
-def final_replicas(decisions: list[Decision], minimum: dict[str, int]) -> dict[str, int]:
+def final_replicas(decisions: list[DecisionEntry], minimum: dict[str, int]) -> dict[str, int]:
     """Replicas per pool after the last decision (the minimum when a pool had no decision)."""
     out = dict(minimum)
     for d in decisions:
@@ -47,7 +48,7 @@ def final_replicas(decisions: list[Decision], minimum: dict[str, int]) -> dict[s
 
 
 def judge(
-    decisions: list[Decision],
+    decisions: list[DecisionEntry],
     burst_start: float,
     burst_end: float,
     minimum: dict[str, int],
@@ -59,27 +60,27 @@ def judge(
 
     ``grace_s``: a decode scale-up this long after the burst's end still counts as a reaction to it.
     """
-    decisions = sorted(decisions, key=lambda d: d.t)
+    decisions = sorted(decisions, key=lambda d: d.ts)
     decode_ups = [
         d
         for d in decisions
-        if d.pool == "decode" and d.direction > 0 and burst_start <= d.t <= burst_end + grace_s
+        if d.pool == "decode" and d.direction > 0 and burst_start <= d.ts <= burst_end + grace_s
     ]
     prefill_ups = [d for d in decisions if d.pool == "prefill" and d.direction > 0]
     # Wrong pool: any prefill scale-up (the load never needs more prefill), and a decode scale-down
     # while the burst is still running.
     wrong = prefill_ups + [
-        d for d in decisions if d.pool == "decode" and d.direction < 0 and burst_start <= d.t < burst_end
+        d for d in decisions if d.pool == "decode" and d.direction < 0 and burst_start <= d.ts < burst_end
     ]
-    wrong.sort(key=lambda d: d.t)
+    wrong.sort(key=lambda d: d.ts)
     peak = max([minimum.get("decode", 1)] + [d.desired for d in decisions if d.pool == "decode"])
     final = final_replicas(decisions, minimum)
     at_min = all(final.get(p, minimum[p]) <= minimum[p] for p in minimum)
     back_after = None
     if at_min:
-        last_down = [d.t for d in decisions if d.direction < 0 and d.t >= burst_start]
+        last_down = [d.ts for d in decisions if d.direction < 0 and d.ts >= burst_start]
         back_after = max(0.0, max(last_down) - burst_end) if last_down else 0.0
-    up_after = decode_ups[0].t - burst_start if decode_ups else None
+    up_after = decode_ups[0].ts - burst_start if decode_ups else None
 
     if decode_ups and not prefill_ups:
         first = decode_ups[0]
@@ -111,7 +112,8 @@ def judge(
         )
     if wrong:
         line3 = f"Wrong-pool actions: {len(wrong)} - " + "; ".join(
-            f"{d.pool} {d.current}->{d.desired} at +{d.t - burst_start:.0f} s ({d.reason})" for d in wrong[:3]
+            f"{d.pool} {d.current}->{d.desired} at +{d.ts - burst_start:.0f} s ({d.reason})"
+            for d in wrong[:3]
         )
     else:
         line3 = "Wrong-pool actions: none."

@@ -1,4 +1,5 @@
-"""Stand-in for ``aisimulate_core._native``: re-exports the import-only stand-in (never used by load scaling)."""
+"""Stand-in for ``aisimulate_core._native``: re-exports the import-only stand-in (never used by load
+scaling)."""
 
 from aisimulate_core.sdk import RustForwardPassPerfModel
 

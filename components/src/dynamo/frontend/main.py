@@ -46,7 +46,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m dynamo.frontend",
-        description="Dynamo's OpenAI-compatible HTTP frontend (from ai-dynamo-runtime) for dynamo.vllm workers.",
+        description="Dynamo's OpenAI-compatible HTTP frontend (from ai-dynamo-runtime) for dynamo.vllm "
+        "workers.",
     )
     add_version_flag(p, "dynamo.frontend")
     p.add_argument(

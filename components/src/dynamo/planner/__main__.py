@@ -49,7 +49,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--json", action="store_true", dest="json_stdout", help="decisions as JSON lines on stdout"
     )
     up = p.add_argument_group(
-        "upstream Dynamo planner keys as flags (mapped to ours; see 'config --mapping', docs/from-upstream.md)"
+        "upstream Dynamo planner keys as flags (mapped to ours; see 'config --mapping', "
+        "docs/from-upstream.md)"
     )
     for key in UPSTREAM_FLAG_KEYS:
         up.add_argument(
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on this port (default: env PLANNER_PROMETHEUS_PORT, upstream's; 0: off)",
+        help="serve Prometheus metrics on this port (default: env PLANNER_PROMETHEUS_PORT, upstream's; 0: "
+        "off)",
     )
     run.add_argument(
         "--metrics-host",

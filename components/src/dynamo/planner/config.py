@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Per-engine load signals: scale up when any engine is above ``*_up``, down when all are below ``*_down``.
+    """Per-engine load signals: scale up when any engine is above ``*_up``, down when all are below
+    ``*_down``.
 
     ``*_target``: the utilisation one engine is sized for when the pool's demand is turned into a
     replica count (proportional sizing, docs/planner.md).
@@ -237,7 +238,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     """Check and convert one value against a (simple) type hint."""
     args = get_args(tp)
     origin = getattr(tp, "__origin__", None)
-    if is_dataclass(tp):
+    if is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
         return _build(tp, value, key + ".")
@@ -319,13 +320,13 @@ def _check(cfg: PlannerConfig) -> None:
     if cfg.target == "load" and cfg.thresholds is None:
         raise ConfigError("thresholds: target 'load' needs user thresholds (prefill_up, prefill_down, ...)")
     th = cfg.effective_thresholds()
-    for pool in ("prefill", "decode"):
-        up, down = getattr(th, f"{pool}_up"), getattr(th, f"{pool}_down")
+    for side in ("prefill", "decode"):
+        up, down = getattr(th, f"{side}_up"), getattr(th, f"{side}_down")
         if not 0 <= down < up:
-            raise ConfigError(f"thresholds.{pool}_down: must be >= 0 and below {pool}_up ({down} vs {up})")
-        target = getattr(th, f"{pool}_target")
+            raise ConfigError(f"thresholds.{side}_down: must be >= 0 and below {side}_up ({down} vs {up})")
+        target = getattr(th, f"{side}_target")
         if not 0 < target <= 1:
-            raise ConfigError(f"thresholds.{pool}_target: must be in (0, 1], got {target}")
+            raise ConfigError(f"thresholds.{side}_target: must be in (0, 1], got {target}")
     for key in ("ttft_ms", "itl_ms"):
         positive(f"sla.{key}", getattr(cfg.sla, key))
     if not 0 < cfg.sla.headroom <= 1:

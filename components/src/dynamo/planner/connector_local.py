@@ -10,9 +10,10 @@ range: a worker binds it only after loading its model, ``dynamo.common.ports``),
 Standbys (``standby_prefill`` / ``standby_decode``): that many extra workers per pool are started with
 ``DYN_VLLM_STANDBY=1``: loaded and warm, but not registered (no routing, no FPM) and not counted in the
 pool. A scale-up promotes one (``SIGUSR1``: it registers in well under a second) and starts a new standby
-in the background (never more standbys than the pool can still grow by, given ``max_*``); a scale-down parks a serving worker as a standby (``SIGHUP``: it drains and
-unregisters) when fewer than N are warm, else stops it. With standbys on, every worker is started that
-way (a new member is promoted as soon as it installed its signal handlers), so any of them can be parked.
+in the background (never more standbys than the pool can still grow by, given ``max_*``); a scale-down parks a
+serving worker as a standby (``SIGHUP``: it drains and unregisters) when fewer than N are warm, else stops it.
+With standbys on, every worker is started that way (a new member is promoted as soon as it installed its
+signal handlers), so any of them can be parked.
 
 Stopping: SIGTERM to the worker process alone (it unregisters and drains; its vLLM processes must not
 get the signal), SIGKILL to its process group only after ``stop_timeout_s``.
@@ -200,7 +201,8 @@ class LocalConnector:
         )
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """Per pool: members, serving, starting, warm standbys, loading standbys, draining (for the event log)."""
+        """Per pool: members, serving, starting, warm standbys, loading standbys, draining (for the event
+        log)."""
         out = {}
         for pool, procs in self.procs.items():
             members = [wp for wp in procs if wp.role == MEMBER]
@@ -412,7 +414,8 @@ class LocalConnector:
         self._event("parking", wp)
 
     def _refill(self, pool: str) -> None:
-        """Keep ``standby_target`` standbys (warm, loading or parking); surplus loading ones are stopped first."""
+        """Keep ``standby_target`` standbys (warm, loading or parking); surplus loading ones are stopped
+        first."""
         want = self.standby_target(pool)
         spare = [wp for wp in self.procs[pool] if wp.role in (STANDBY, PARKING)]
         if len(spare) > want:

@@ -2,7 +2,8 @@
 
 Fields: ``time`` (UTC ISO-8601), ``ts`` (epoch seconds), ``tick``, ``pool``, ``current``,
 ``desired``, ``action`` (scale_up | scale_down | hold), ``reason``, ``signals`` (what the rule used),
-``applied`` (sent to the connector), ``dry_run``.
+``applied`` (sent to the connector), ``dry_run``. :func:`read_entry` / :func:`parse_entry` read a line back
+(the demo reads the log through them).
 
 Size limit: a line is at most ``MAX_LINE_CHARS`` (16,384) characters. A longer one has its reason cut to
 ``MAX_REASON_CHARS`` and every string in ``signals`` to ``MAX_SIGNAL_STR_CHARS`` (the cuts end in
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -101,6 +104,68 @@ def lines(decision: Decision, *, ts: float, tick: int, applied: dict[str, bool],
         )
         for p in ("prefill", "decode")
     ]
+
+
+@dataclass(frozen=True)
+class DecisionEntry:
+    """One decision-log line read back (holds included): the fields :func:`entry` writes."""
+
+    ts: float
+    pool: str
+    current: int
+    desired: int
+    reason: str = ""
+    action: str = "hold"
+    tick: int = 0
+    applied: bool = False
+    dry_run: bool = False
+    signals: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def is_action(self) -> bool:
+        """Whether the decision changes the pool's replica count."""
+        return self.desired != self.current
+
+    @property
+    def direction(self) -> int:
+        """+1 scale up, -1 scale down, 0 hold."""
+        return (self.desired > self.current) - (self.desired < self.current)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def parse_entry(obj: Mapping[str, Any]) -> DecisionEntry | None:
+    """One decoded decision-log object, or None when it is not one (no pool, time or replica counts)."""
+    pool, ts = obj.get("pool"), obj.get("ts")
+    current, desired = _int(obj.get("current")), _int(obj.get("desired"))
+    if pool not in ("prefill", "decode") or current is None or desired is None:
+        return None
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        return None
+    signals = obj.get("signals")
+    return DecisionEntry(
+        ts=float(ts),
+        pool=str(pool),
+        current=current,
+        desired=desired,
+        reason=str(obj.get("reason", "")),
+        action=str(obj.get("action", "hold")),
+        tick=_int(obj.get("tick")) or 0,
+        applied=obj.get("applied") is True,
+        dry_run=obj.get("dry_run") is True,
+        signals=signals if isinstance(signals, dict) else {},
+    )
+
+
+def read_entry(line: str) -> DecisionEntry | None:
+    """One decision-log line, or None when it is not valid JSON or not an entry."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return parse_entry(obj) if isinstance(obj, dict) else None
 
 
 class DecisionLog:

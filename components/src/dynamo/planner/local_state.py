@@ -56,7 +56,8 @@ def save(path: Path, namespace: str, workers: list[WorkerRecord], next_index: di
 
 
 def load(path: Path, namespace: str) -> tuple[list[WorkerRecord], dict[str, int]]:
-    """The workers a previous planner recorded (none if the file is missing, unreadable or for another namespace)."""
+    """The workers a previous planner recorded (none if the file is missing, unreadable or for another
+    namespace)."""
     try:
         body = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

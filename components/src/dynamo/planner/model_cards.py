@@ -23,7 +23,8 @@ def _pos_int(v: Any) -> int | None:
 
 def capacity_from_card(card: dict[str, Any], default_block_size: int | None = None) -> Capacity | None:
     """The capacity a card states, or None when it states none of it."""
-    rc = card.get("runtime_config") if isinstance(card.get("runtime_config"), dict) else {}
+    raw = card.get("runtime_config")
+    rc: dict[str, Any] = raw if isinstance(raw, dict) else {}
     ctx = _pos_int(rc.get("context_length")) or _pos_int(card.get("context_length"))
     blocks = _pos_int(rc.get("total_kv_blocks"))
     block = (

@@ -157,7 +157,8 @@ class WorkerBook:
         return None
 
     def ingest(self, pool: str, record: ForwardPassMetrics, now: float, *, restarted: bool = False) -> str:
-        """Take one record (``restarted``: the subscriber saw a new publisher); returns what happened ("accepted", "heartbeat", "snapshot", "restart" or "rejected: ...")."""
+        """Take one record (``restarted``: the subscriber saw a new publisher); returns what happened
+        ("accepted", "heartbeat", "snapshot", "restart" or "rejected: ...")."""
         listed = self._discovery[pool]
         if listed is not None and record.worker_id not in listed:
             return self._reject(pool, NOT_IN_DISCOVERY)

@@ -49,8 +49,14 @@ def parse_line(line: str) -> tuple[str, str, ForwardPassMetrics, float | None] |
         obj = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(obj, dict):
-        return None
+    return parse_object(obj) if isinstance(obj, dict) else None
+
+
+def parse_object(obj: dict[str, Any]) -> tuple[str, str, ForwardPassMetrics, float | None] | None:
+    """(component, endpoint, record, time) of one decoded ``--json`` object, or None if it is not a record.
+
+    The one reader of the watch CLI's JSON lines: the replay and the demo's live view use it.
+    """
     comp, ep = obj.get("component"), obj.get("endpoint")
     if (not isinstance(comp, str) or not isinstance(ep, str)) and isinstance(obj.get("subject"), str):
         parsed = parse_fpm_subject(obj["subject"])

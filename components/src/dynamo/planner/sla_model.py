@@ -48,7 +48,8 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 class WindowedRegression:
-    """Least squares over the last ``window`` samples, with a small ridge so degenerate data stays solvable."""
+    """Least squares over the last ``window`` samples, with a small ridge so degenerate data stays
+    solvable."""
 
     def __init__(self, n_features: int, window: int = 512, ridge: float = 1e-9) -> None:
         self.k = n_features + 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .connector_base import ConnectorStatus
 from .observations import BookStats
-from .policy import Decision
+from .policy import POOLS, Decision
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -13,18 +13,19 @@ def render(
     d: Decision, status: ConnectorStatus, stats: BookStats, *, connector: str, tick: int, width: int = 110
 ) -> str:
     rows = [
-        f"dynamo planner  tick {tick}  connector {connector}  {'settled' if status.settled else 'busy'} {status.detail}",
+        f"dynamo planner  tick {tick}  connector {connector}  {'settled' if status.settled else 'busy'} "
+        f"{status.detail}",
         "",
         f"{'pool':8} {'now':>4} {'want':>4} {'workers':>7} {'engines':>7} {'max load':>8}  action",
     ]
-    for p in ("prefill", "decode"):
+    for p in POOLS:
         pd = d.pool(p)
         mx = "-" if pd.load_max is None else f"{pd.load_max:.2f}"
         rows.append(
             f"{p:8} {pd.current:>4} {pd.desired:>4} {pd.workers:>7} {pd.engines:>7} {mx:>8}  {pd.action}"
         )
     rows.append("")
-    for p in ("prefill", "decode"):
+    for p in POOLS:
         rows.append(f"{p}: {d.pool(p).reason}"[:width])
     rejected = sum(stats.rejected.values())
     rows += [

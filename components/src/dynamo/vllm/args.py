@@ -145,7 +145,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--component",
         default=None,
-        help="Dynamo component of the generate endpoint; unset: 'prefill' in prefill mode, 'backend' otherwise",
+        help="Dynamo component of the generate endpoint; unset: 'prefill' in prefill mode, 'backend' "
+        "otherwise",
     )
     g.add_argument(
         "--endpoint",

@@ -161,8 +161,9 @@ def held_kv_reader(stats_template: str) -> Callable[[float], int | None]:
 async def wait_kv_released(
     pinned: Callable[[float], int | None], deadline: float, interval_s: float = 0.1
 ) -> tuple[float, int | None]:
-    """Wait (until the monotonic ``deadline``) for a prefill engine's KV hand-offs to end: the decode workers read
-    the blocks, or vLLM's lease frees them. Returns (seconds waited, hand-offs left: given up; None if unseen)."""
+    """Wait (until the monotonic ``deadline``) for a prefill engine's KV hand-offs to end: the decode workers
+    read the blocks, or vLLM's lease frees them. Returns (seconds waited, hand-offs left: given up; None if
+    unseen)."""
     start = time.monotonic()
     since = time.time()
     left = pinned(since)
@@ -181,12 +182,13 @@ async def drain(
 ) -> DrainReport:
     """Refuse new requests, unregister, wait up to ``grace_s`` for in-flight requests, cut the rest.
 
-    A request cut at the grace period is aborted in vLLM and its handler ends it with ``EngineShutdown``, which
-    the frontend migrates to another worker (``--migration-limit``) instead of returning a truncated answer.
+    A request cut at the grace period is aborted in vLLM and its handler ends it with ``EngineShutdown``,
+    which the frontend migrates to another worker (``--migration-limit``) instead of returning a truncated
+    answer.
 
-    ``held_kv`` (a prefill worker's :func:`held_kv_reader`): then wait, within the same grace period but at least
-    :data:`KV_SAMPLE_WAIT_S`, for the KV blocks vLLM still holds for decode workers that have not read them yet;
-    stopping the engine under them fails those decode requests. What is left is counted as given up.
+    ``held_kv`` (a prefill worker's :func:`held_kv_reader`): then wait, within the same grace period but at
+    least :data:`KV_SAMPLE_WAIT_S`, for the KV blocks vLLM still holds for decode workers that have not read
+    them yet; stopping the engine under them fails those decode requests. What is left is counted as given up.
     """
     tracker.accepting = False
     start = time.monotonic()

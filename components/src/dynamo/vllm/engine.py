@@ -14,13 +14,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo.vllm import shm_wait
 from dynamo.vllm.args import INSTRUMENTED_SCHEDULER, WorkerConfig
+from dynamo.vllm.cpu_host.env_defaults import cpu_environment
 from dynamo.vllm.fpm_env import ENV_NATS, FpmSettings, stats_file_in
 
 log = logging.getLogger(__name__)
-
-OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @dataclass(frozen=True)
@@ -99,14 +97,9 @@ def disaggregation_environment(
     """Defaults for a prefill or decode worker; a variable the user already set is never changed.
 
     - NIXL side channel on one machine: loopback host and a free port.
-    - On CPU, ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default binding pins the worker's main
-      thread (OpenMP thread 0) to one core, and every thread it starts (UCX's async and progress
-      threads, ZMQ) inherits that core, beside the main thread's busy wait between steps. Decode-side
-      NIXL reads then stalled for 20-220 s (until the prefill side's KV lease expired) in most runs
-      on 2 cores; unbound, 24 of 24 transfers took milliseconds (docs/disaggregation.md).
-    - On CPU, ``DYN_VLLM_SHM_WAIT_SLEEP_US=100``: each vLLM engine process yields the CPU in a loop for 1 s
-      after every message, a core per process; a prefill and a decode engine took both cores of a 2-core host
-      from everything else (``dynamo.vllm.shm_wait``).
+    - On vLLM's CPU platform, the CPU-host defaults of
+      :func:`dynamo.vllm.cpu_host.env_defaults.cpu_environment` (OpenMP threads unbound, engine waits that
+      sleep; why: docs/workarounds.md).
     """
     if mode not in ("prefill", "decode"):
         return {}
@@ -115,10 +108,8 @@ def disaggregation_environment(
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     if not environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT"):
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port)
-    if cpu_platform and not environ.get(OMP_BIND_ENV):
-        env[OMP_BIND_ENV] = "nobind"
-    if cpu_platform and not environ.get(shm_wait.ENV):
-        env[shm_wait.ENV] = str(shm_wait.DEFAULT_SLEEP_US)
+    if cpu_platform:
+        env.update(cpu_environment(environ))
     return env
 
 
@@ -167,7 +158,8 @@ def summed_engines(parallel_config: Any, engine_client: Any = None) -> int:
 
     vLLM's engine client adds the block count each engine reports at start-up: with data parallelism the
     figure is the sum over every engine the client manages (all ranks with internal load balancing, the local
-    ones with hybrid or external balancing, one in offline mode). The client's own list is used when it has one.
+    ones with hybrid or external balancing, one in offline mode). The client's own list is used when it has
+    one.
     """
     ranks = getattr(getattr(engine_client, "engine_core", None), "engine_ranks_managed", None)
     if isinstance(ranks, list | tuple) and ranks:
@@ -182,8 +174,9 @@ def summed_engines(parallel_config: Any, engine_client: Any = None) -> int:
 
 def engine_capacity(vllm_config: Any, engines: int = 1) -> EngineCapacity:
     """Per-engine figures: vLLM's ``num_gpu_blocks`` is the sum over the ``engines`` it started
-    (:func:`summed_engines`); registering the sum as one engine's capacity overstated each engine's KV cache by
-    the data-parallel size. Unequal counts are floored (a planner must not count blocks an engine lacks)."""
+    (:func:`summed_engines`); registering the sum as one engine's capacity overstated each engine's KV cache
+    by the data-parallel size. Unequal counts are floored (a planner must not count blocks an engine
+    lacks)."""
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
     par = vllm_config.parallel_config

@@ -9,7 +9,8 @@ model-runner (executor worker) children. Before it starts the engine, the worker
   (about 2.5 GB with the tiny model's 1 GiB KV cache) and EngineCore's FPM publisher kept sending records, and
   heartbeats, under the dead worker's id for minutes. A parent that is already gone when the plugin runs (the
   race the kernel's tie cannot cover) ends the process at once;
-- on vLLM's CPU platform, computes the sampled token's logprob rank eagerly (:func:`eager_logprob_ranks`).
+- on vLLM's CPU platform, computes the sampled token's logprob rank eagerly
+  (:func:`dynamo.vllm.cpu_host.logprob_ranks.eager_logprob_ranks`).
 
 Without the variable (vLLM run by anything else) the plugin does nothing.
 """
@@ -22,7 +23,8 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
-from typing import Any
+
+from dynamo.vllm.cpu_host.logprob_ranks import eager_logprob_ranks
 
 log = logging.getLogger(__name__)
 
@@ -79,32 +81,6 @@ def die_with_parent(owner: int) -> bool:
     if not below(os.getppid(), owner):
         os._exit(1)
     return True
-
-
-def _eager_count_greater_than(x: Any, values: Any) -> Any:
-    return (x >= values).sum(-1)
-
-
-def eager_logprob_ranks() -> bool:
-    """Replace vLLM's ``torch.compile``-d rank count of the sampled token by the same expression run eagerly.
-
-    vLLM compiles ``batched_count_greater_than`` (``(x >= values).sum(-1)``) with inductor the first time a
-    request asks for logprobs. On CPU that compile is a C++ build in the model-runner process, and the engine
-    does nothing else meanwhile: the first logprobs request took 26 s here with an empty inductor cache (4 s
-    with a warm one) and stalled every request in flight. Eager, the expression costs microseconds for the
-    vocabularies a CPU host serves. Returns False when this vLLM has no such function.
-    """
-    try:
-        from vllm.v1.sample import sampler
-        from vllm.v1.sample.ops import logprobs
-    except ImportError:  # pragma: no cover - another vLLM layout
-        return False
-    patched = False
-    for module in (logprobs, sampler):
-        if callable(getattr(module, "batched_count_greater_than", None)):
-            module.batched_count_greater_than = _eager_count_greater_than  # type: ignore[attr-defined]
-            patched = True
-    return patched
 
 
 def _cpu_platform() -> bool:

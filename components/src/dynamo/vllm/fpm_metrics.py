@@ -200,6 +200,7 @@ class WorkerMetrics:
         metrics_handler = MetricsHandler.factory(self.registry)
         health = self.collector.health
 
+        # A base class made at run time (the factory binds the registry): mypy cannot check such a base.
         class Handler(metrics_handler):  # type: ignore[misc,valid-type]
             def do_GET(self) -> None:
                 if self.path.split("?")[0] != "/health":

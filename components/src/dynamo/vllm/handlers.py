@@ -51,7 +51,8 @@ def _sampling_fields() -> frozenset[str]:
     return frozenset(fields)
 
 
-# Sampling options vLLM has no field for, accepted at their neutral value only (see ``_unsupported_sampling``).
+# Sampling options vLLM has no field for, accepted at their neutral value only (see
+# ``_unsupported_sampling``).
 _NEUTRAL_ONLY_SAMPLING = frozenset({"best_of", "use_beam_search", "length_penalty"})
 
 
@@ -69,7 +70,8 @@ def _unsupported_sampling(key: str, value: Any, options: Mapping[str, Any]) -> s
 
 
 def _extra_fields(request: Mapping[str, Any]) -> frozenset[str]:
-    """The ``nvext.extra_fields`` the client asked the frontend to return (the frontend forwards ``nvext``)."""
+    """The ``nvext.extra_fields`` the client asked the frontend to return (the frontend forwards
+    ``nvext``)."""
     names: set[str] = set()
     extra_args = request.get("extra_args")
     for source in (
@@ -205,10 +207,12 @@ def _logprob(value: float) -> float:
 def token_logprobs(
     token_ids: list[int], logprobs: Any, top: int
 ) -> tuple[list[float], list[list[dict[str, Any]]]] | None:
-    """The frontend's ``log_probs`` / ``top_logprobs`` for one chunk of a DELTA output (None if vLLM sent none).
+    """The frontend's ``log_probs`` / ``top_logprobs`` for one chunk of a DELTA output (None if vLLM sent
+    none).
 
-    ``log_probs``: the sampled token's logprob per position; ``top_logprobs``: the ``top`` most likely tokens per
-    position, by rank (vLLM also lists the sampled token when it ranks lower). The frontend adds the token text.
+    ``log_probs``: the sampled token's logprob per position; ``top_logprobs``: the ``top`` most likely tokens
+    per position, by rank (vLLM also lists the sampled token when it ranks lower). The frontend adds the token
+    text.
     """
     if not logprobs or len(logprobs) < len(token_ids):
         return None
@@ -232,7 +236,8 @@ def token_logprobs(
 
 
 def prompt_logprobs_payload(prompt_logprobs: Any) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's ``RequestOutput.prompt_logprobs`` as the frontend's ``nvext.prompt_logprobs`` (token ids as keys)."""
+    """vLLM's ``RequestOutput.prompt_logprobs`` as the frontend's ``nvext.prompt_logprobs`` (token ids as
+    keys)."""
     payload: list[dict[str, dict[str, Any]] | None] = []
     for position in prompt_logprobs:
         if position is None:
@@ -253,8 +258,8 @@ def prompt_logprobs_payload(prompt_logprobs: Any) -> list[dict[str, dict[str, An
 class FrameBuilder:
     """Response frames of one request from vLLM's DELTA outputs: one frame per choice that has news.
 
-    With ``n`` > 1 each frame names its choice (``index``); a choice's last frame carries its finish reason and
-    the usage so far (prompt once, completion tokens of every choice).
+    With ``n`` > 1 each frame names its choice (``index``); a choice's last frame carries its finish reason
+    and the usage so far (prompt once, completion tokens of every choice).
     """
 
     def __init__(self, prompt_len: int, prefill: bool, params: Any) -> None:

@@ -48,13 +48,12 @@ from dynamo.vllm.fpm_hooks import HookCheck, Role, check_hooks
 from dynamo.vllm.fpm_state import PRUNE_PREEMPTED, FpmSchedulerState
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-# For the type checker the mixin is what it extends at run time: a vLLM scheduler (its super() calls and the
-# attributes it reads are checked against vLLM's). At run time it is a plain mixin, also used over stubs.
+# For the type checker the mixin is what it extends at run time: a vLLM scheduler (read as Any while mypy's
+# config skips vLLM's own types: docs/type-checking.md). At run time it is a plain mixin, also used over stubs.
 if TYPE_CHECKING:
-    _SchedulerBase = Scheduler
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
 else:
     _SchedulerBase = object
 

@@ -116,7 +116,8 @@ def is_tiny_model(path: Path) -> bool:
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write config, weights and tokenizer to ``out_dir`` (created); reuses an existing build of the same seed."""
+    """Write config, weights and tokenizer to ``out_dir`` (created); reuses an existing build of the same
+    seed."""
     out = Path(out_dir)
     marker = out / _MARKER
     if marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:

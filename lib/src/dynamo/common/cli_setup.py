@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import MutableMapping
 from importlib import metadata
+from typing import Any
 
 PACKAGE = "dynamo-fpm"
 # (label, distributions that provide it, first installed wins)
@@ -86,9 +87,9 @@ def version_text(prog: str) -> str:
 class _Version(argparse.Action):
     """``--version``: one unwrapped line on stdout, exit 0 (argparse's own action wraps long lines)."""
 
-    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
         self.prog = str(kwargs.pop("prog", ""))
-        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kw: object) -> None:
         print(version_text(self.prog), flush=True)

@@ -60,7 +60,7 @@ def _count_problem(v: object) -> str | None:
     return None
 
 
-def _variance_ok(v: float) -> bool:
+def _variance_ok(v: object) -> bool:
     return isinstance(v, int | float) and math.isfinite(v) and v >= 0
 
 

@@ -16,7 +16,7 @@ runtime name (wins)             alias                   meaning
 ``NATS_TLS_CA_CERT_PATH``       ``NATS_TLS_CA``         CA bundle to verify the server (turns TLS on)
 ``NATS_TLS_CLIENT_CERT_PATH``   ``NATS_TLS_CERT``       client certificate (mutual TLS; with the key)
 ``NATS_TLS_CLIENT_KEY_PATH``    ``NATS_TLS_KEY``        client private key
-``NATS_TLS_INSECURE``           -                       ``1``/``true``/``yes``/``on``: do not verify the server
+``NATS_TLS_INSECURE``           -                       ``1``/``true``/``yes``/``on``: no server check
 ==============================  ======================  =====================================================
 
 Precedence, one rule: **when a runtime name and its alias are both set, the runtime's value is

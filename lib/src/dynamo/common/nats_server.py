@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from dynamo.common.cli_setup import add_version_flag
 from dynamo.common.ports import free_port  # also imported from here by callers of the server
@@ -79,7 +80,7 @@ class EmbeddedNatsServer:
         if self.jetstream:
             self._store_dir = self._store_dir or tempfile.TemporaryDirectory(prefix="nats-js-")
             cmd += ["-js", "-sd", self._store_dir.name]
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        out: IO[bytes] | int = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:

@@ -1,4 +1,5 @@
-"""Stand-in for ``aisimulate_core.sdk``: names to satisfy imports only (load-based scaling never uses them)."""
+"""Stand-in for ``aisimulate_core.sdk``: names to satisfy imports only (load-based scaling never uses
+them)."""
 
 from typing import Any
 

@@ -1,12 +1,8 @@
 """Keeps this worker's own entries in Dynamo's ``file`` discovery alive, and puts back any that vanish.
 
-The runtime expires an entry whose file was not touched for 10 s, and every process using the folder
-(frontend, planner, other workers) deletes expired entries; the owner touches its files every ~3.3 s from a
-thread of its own. Measured with ai-dynamo-runtime 1.6.1 on a loaded 2-core host: in 2 of 4 demo runs a
-worker's fresh registration was never touched by its owner and the planner's file store deleted it 10-11.5 s
-after it was written (log: ``Expired path=.../v1/mdc/...`` with the creation time as ``last_modified``; the
-owner then logs ``FileStore::keep_alive failed opening owned file``). The frontend then lost the prefill or
-decode pool and answered every request 404/503 for the rest of the run.
+Why: with ai-dynamo-runtime 1.6.1 on a loaded host a worker's fresh registration was sometimes never touched
+by the runtime's own keep-alive and another process expired it, after which the frontend lost that pool
+(docs/workarounds.md#file-discovery-keep-alive).
 
 Every ``interval_s`` this module touches the files under the discovery folder that belong to this worker
 (their names end in ``%2F`` + the worker's connection id in hex) and remembers their content. A file of ours

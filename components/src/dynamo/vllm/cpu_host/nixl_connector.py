@@ -1,30 +1,18 @@
 """Opt-in CPU compatibility layer for vLLM's ``NixlConnector`` (prefill/decode disaggregation on CPU hosts).
 
-Select it with ``"kv_connector": "NixlConnector", "kv_connector_module_path": "dynamo.vllm.nixl_cpu"``.
-The class below *is* vLLM's ``NixlConnector`` (a subclass under the same name, so vLLM's own
-``has_connector("NixlConnector")`` checks and KV-layout choices still apply); it only changes how the
-connector's worker side is set up, and only on vLLM's CPU platform. On GPU hosts it behaves exactly
-like vLLM's connector.
+Select it with ``"kv_connector": "NixlConnector"`` and
+``"kv_connector_module_path": "dynamo.vllm.cpu_host.nixl_connector"``. The class below *is* vLLM's
+``NixlConnector`` (a subclass under the same name, so vLLM's own ``has_connector("NixlConnector")`` checks and
+KV-layout choices still apply); it only changes how the connector's worker side is set up, and only on vLLM's
+CPU platform. On GPU hosts it behaves exactly like vLLM's connector.
 
-Four problems measured on small CPU hosts, each with its own switch (see docs/disaggregation.md):
+Why: four problems measured on small CPU hosts, each with its own switch
+(docs/workarounds.md#the-cpu-nixl-layer; details in docs/disaggregation.md#the-four-fixes-and-their-switches):
 
-- ``DYN_NIXL_CPU_PROGRESS_DELAY_US`` (default 2000): nixl's Python API creates its agent with a zero
-  progress-thread poll delay, so UCX busy-polls about one core per engine even when idle. The agent is
-  created with this delay instead (the thread still wakes on its event fd). ``0`` keeps nixl's busy poll.
-- ``DYN_NIXL_CPU_KEEP_AFFINITY`` (default 1): on CPU, vLLM's NIXL worker pins the calling thread (the
-  one that runs the model) to one core per NUMA node, which made every step ~7x slower on 2 cores. The
-  thread's affinity from before the worker setup is restored. ``0`` keeps vLLM's pinning.
-- ``DYN_NIXL_CPU_SWITCH_INTERVAL`` (seconds, default 0.0002): with an in-process engine
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the NIXL handshake thread starves on the GIL while the engine
-  loop busy-steps the parked request (first pull 3.5-6 s instead of ~0.1 s). The interpreter's switch
-  interval is lowered to this value in in-process engines only. ``0`` leaves it alone.
-- ``DYN_NIXL_CPU_SPREAD_THREADS`` (default 1): NIXL's own threads (UCX progress thread, transfer
-  pool, UCX async events) inherit the CPU affinity of the thread that creates the agent. In vLLM's
-  CPU worker that thread is OpenMP thread 0, bound to a single core, so every NIXL thread of the
-  worker shared that one core with the model thread's spin-wait; through ``python -m dynamo.vllm``
-  (multi-process engine) decode-side reads then took 20 s to never instead of milliseconds. The
-  agent is created while the calling thread may use every core the worker's threads use, then the
-  calling thread's own affinity is put back. ``0`` keeps the inherited single core.
+- ``DYN_NIXL_CPU_PROGRESS_DELAY_US`` (default 2000): UCX progress thread's poll delay (nixl's 0: busy poll).
+- ``DYN_NIXL_CPU_KEEP_AFFINITY`` (default 1): the model thread's affinity restored after vLLM's NIXL setup.
+- ``DYN_NIXL_CPU_SWITCH_INTERVAL`` (seconds, default 0.0002): shorter GIL switch interval, in-process engines.
+- ``DYN_NIXL_CPU_SPREAD_THREADS`` (default 1): NIXL's threads created on every core the process uses.
 """
 
 from __future__ import annotations
@@ -140,7 +128,8 @@ class _BindingsWithDelay:
 def progress_delay(delay_us: int) -> Iterator[None]:
     """Within this block, NIXL agents created through vLLM's wrapper get ``delay_us`` of poll delay."""
     wrapper_cls = getattr(_base_worker, "NixlWrapper", None)
-    api = sys.modules.get(getattr(wrapper_cls, "__module__", ""), None)
+    # nixl's ``_api`` module, untyped (nixl ships no type information): its attributes are set below.
+    api: Any = sys.modules.get(getattr(wrapper_cls, "__module__", ""), None)
     bindings = getattr(api, "nixlBind", None)
     if (
         api is None
