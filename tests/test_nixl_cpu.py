@@ -211,3 +211,12 @@ def test_connector_is_vllms_under_the_same_name() -> None:
     )
     assert KVConnectorFactory.get_connector_class(cfg) is nixl_connector.NixlConnector
     assert cfg.has_connector("NixlConnector")
+
+
+def test_the_old_module_path_still_loads_the_connector() -> None:
+    """Configs written before the move (``kv_connector_module_path: dynamo.vllm.nixl_cpu``) keep working."""
+    import importlib
+
+    from dynamo.vllm.cpu_host.nixl_connector import NixlConnector
+
+    assert importlib.import_module("dynamo.vllm.nixl_cpu").NixlConnector is NixlConnector

@@ -414,7 +414,8 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         return unknown, view.state
     up, down, target = th.prefill_up, th.prefill_down, th.prefill_target
     queued = [float(e.record.queued_requests.sum_prefill_tokens) for e in pool.engines]
-    loads = [q / e.capacity.context_length for q, e in zip(queued, pool.engines, strict=True)]  # type: ignore[operator]
+    # ``_capacity_unknown`` held every engine without a context length above: ``or 1`` only narrows the type.
+    loads = [q / (e.capacity.context_length or 1) for q, e in zip(queued, pool.engines, strict=True)]
     rate = view.state.engine_rate
     for e, q in zip(pool.engines, queued, strict=True):
         s = e.record.scheduled_requests
@@ -547,12 +548,16 @@ def _size(
         if cons < limit:
             return sizing(
                 "down",
-                f"{name} load {mx:.2f} under {down:g}; on {remaining:g} engines {cons:.2f} < {limit:.2f}{note}",
+                f"{name} load {mx:.2f} under {down:g}; "
+                f"on {remaining:g} engines {cons:.2f} < {limit:.2f}{note}",
             )
         if remaining <= 0:
             why = f"{name} load {mx:.2f} under {down:g}; a single replica, nothing to consolidate"
         else:
-            why = f"{name} load {mx:.2f} under {down:g} but on {remaining:g} engines it would be {cons:.2f} >= {limit:.2f}"
+            why = (
+                f"{name} load {mx:.2f} under {down:g} "
+                f"but on {remaining:g} engines it would be {cons:.2f} >= {limit:.2f}"
+            )
         return sizing("steady", why + note)
     return sizing("steady", f"{name} load {mx:.2f} within [{down:g}, {up:g}]{note}")
 
@@ -567,7 +572,7 @@ def _sla_sizing(view: PoolView) -> Sizing:
     head = cfg.sla.headroom
     if pool.name == "prefill":
         target = cfg.sla.ttft_ms / 1000.0
-        a, b = fit.coef  # type: ignore[union-attr]
+        a, b = fit.coef
 
         def ttft(q: float, chunk: int | None) -> float:
             """Time to compute ``q`` queued tokens in passes of at most ``chunk`` tokens."""
@@ -590,7 +595,7 @@ def _sla_sizing(view: PoolView) -> Sizing:
         demands = [decode_demand(e, cfg.transfer_bound_weight, 1.0) for e in engines]
         reqs = [dd.requests for dd in demands]
         kvs = [dd.tokens for dd in demands]
-        a, b, c = fit.coef  # type: ignore[union-attr]
+        a, b, c = fit.coef
         est = [max(a + b * r + c * k, 0.0) for r, k in zip(reqs, kvs, strict=True)]
         ratios = [x / target for x in est]
         caps = [e.capacity.kv_tokens for e in engines]
@@ -598,7 +603,7 @@ def _sla_sizing(view: PoolView) -> Sizing:
             e.capacity.max_num_seqs and r > e.capacity.max_num_seqs
             for r, e in zip(reqs, engines, strict=True)
         )
-        cons = fit.predict(sum(reqs) / (n - 1), sum(kvs) / (n - 1)) / target if n > 1 else math.inf  # type: ignore[union-attr]
+        cons = fit.predict(sum(reqs) / (n - 1), sum(kvs) / (n - 1)) / target if n > 1 else math.inf
         cap_min = min((c for c in caps if c), default=None)
         if n > 1 and cap_min and sum(kvs) / (n - 1) > cap_min * head:
             cons = math.inf
@@ -822,7 +827,8 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         if recent >= cur:
             d.hold(
                 s.why
-                + f"; {recent} replicas were needed within {cfg.scale_down_stabilization_s:g}s (stabilization)",
+                + f"; {recent} replicas were needed within {cfg.scale_down_stabilization_s:g}s"
+                + " (stabilization)",
                 replace(d.st, down_since=None),
             )
             return
@@ -914,7 +920,8 @@ def _fits_consolidated(d: Draft, cfg: PlannerConfig) -> bool:
 def apply_interval_guard(
     drafts: dict[PoolName, Draft], state: PolicyState, cfg: PlannerConfig, now: float
 ) -> None:
-    """At most one action per pool per interval, even if decide() is called more often (half an interval of slack)."""
+    """At most one action per pool per interval, even if decide() is called more often (half an interval of
+    slack)."""
     for d in drafts.values():
         last = state.pool(d.name).last_action_at
         if (

@@ -50,8 +50,9 @@ from dynamo.vllm.fpm_state import PRUNE_PREEMPTED, FpmSchedulerState
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.request import RequestStatus
 
-# For the type checker the mixin is what it extends at run time: a vLLM scheduler (read as Any while mypy's
-# config skips vLLM's own types: docs/type-checking.md). At run time it is a plain mixin, also used over stubs.
+# For the type checker the mixin is what it extends at run time: a vLLM scheduler (read as Any while
+# mypy's config skips vLLM's own types: docs/type-checking.md). At run time it is a plain mixin, also
+# used over stubs.
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
 else:
@@ -164,7 +165,8 @@ class FpmInstrumentation(_SchedulerBase):
         )
 
     def _fpm_make_publisher(self, settings: FpmSettings, worker_id: str, dp_rank: int) -> Any:
-        """The publisher (overridable in tests): ZMQ PUB for the worker's relay when a port is set, else NATS."""
+        """The publisher (overridable in tests): ZMQ PUB for the worker's relay when a port is set, else
+        NATS."""
         from dynamo.common.fpm_publisher import FpmDirectPublisher
 
         common: dict[str, Any] = dict(

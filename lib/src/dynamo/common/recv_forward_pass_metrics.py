@@ -140,7 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--event-plane",
         choices=EVENT_PLANES,
         default=None,
-        help="where the records travel (default: $DYN_EVENT_PLANE, else nats if NATS_SERVER is set, else zmq)",
+        help="where the records travel "
+        "(default: $DYN_EVENT_PLANE, else nats if NATS_SERVER is set, else zmq)",
     )
     p.add_argument(
         "--discovery-backend",

@@ -1,1 +1,4 @@
-"""The planner on Dynamo's fleet simulator: ``python -m dynamo.planner simulate`` (docs/planner-evaluation.md)."""
+"""The planner on Dynamo's fleet simulator: ``python -m dynamo.planner simulate``.
+
+See docs/planner-evaluation.md.
+"""

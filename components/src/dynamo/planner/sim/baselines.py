@@ -24,7 +24,8 @@ def cheapest_static(
     max_n: int = 128,
     run: Callable[[SimSpec, int], dict[str, Any]] = static_summary,
 ) -> tuple[int, dict[str, Any]] | None:
-    """(N, summary) of the smallest N+N fleet with goodput >= ``target_pct``; None if ``max_n`` is not enough."""
+    """(N, summary) of the smallest N+N fleet with goodput >= ``target_pct``; None if ``max_n`` is not
+    enough."""
     tried: dict[int, dict[str, Any]] = {}
 
     def ok(n: int) -> bool:

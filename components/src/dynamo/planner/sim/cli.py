@@ -1,4 +1,6 @@
-"""``python -m dynamo.planner simulate``: the planner on Dynamo's fleet simulator (docs/planner-evaluation.md)."""
+"""``python -m dynamo.planner simulate``: the planner on Dynamo's fleet simulator.
+
+See docs/planner-evaluation.md."""
 
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
         f"  ITL p50/p90/p99     {ms('itl', 1)} ms",
         f"  scaling actions     {s['scaling_actions']} (prefill {s['actions']['prefill']}, "
         f"decode {s['actions']['decode']}); direction flips {s['direction_flips']}",
-        f"  peak replicas       prefill {s['peak_replicas']['prefill']}, decode {s['peak_replicas']['decode']}",
+        f"  peak replicas       prefill {s['peak_replicas']['prefill']}, "
+        f"decode {s['peak_replicas']['decode']}",
         f"  wall time           planner {s['planner_wall_s']:.2f} s ({s['planner_ticks']} decisions), "
         f"simulator {s['simulator_wall_s']:.2f} s",
     ]

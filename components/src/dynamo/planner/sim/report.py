@@ -194,7 +194,11 @@ def render_figure(result: Mapping[str, Any]) -> bytes:
                         alpha=0.8, label=f"{pool} {what} (stacked)", zorder=2,
                     )  # fmt: skip
             _steps(
-                ax_rep, t, _series(ticks, pool, "desired"), color=c, linewidth=1.1 if pool == "decode" else 2.0,
+                ax_rep,
+                t,
+                _series(ticks, pool, "desired"),
+                color=c,
+                linewidth=1.1 if pool == "decode" else 2.0,
                 linestyle="--", label=f"{pool} desired", zorder=4,
             )  # fmt: skip
         ax_rep.set_ylim(bottom=0)
@@ -279,7 +283,8 @@ def render_figure(result: Mapping[str, Any]) -> bytes:
 # ---------------------------------------------------------------------------------------------- the HTML
 
 CSS = """
-body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px auto; max-width: 1340px;
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px auto;
+       max-width: 1340px;
        color: #222; padding: 0 16px; }
 h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px; }
 .facts { color: #555; margin: 0 0 16px; }
@@ -397,7 +402,8 @@ def render_html(result: Mapping[str, Any], png: bytes) -> str:
         [
             f"mode: <b>{_e(mode)}</b>",
             f"duration {_num(s.get('duration_s'), ',.0f')} s",
-            f"SLA: TTFT \u2264 {_num(s.get('sla_ttft_ms'), ',.0f')} ms, ITL \u2264 {_num(s.get('sla_itl_ms'), ',.0f')} ms",
+            f"SLA: TTFT \u2264 {_num(s.get('sla_ttft_ms'), ',.0f')} ms, "
+            f"ITL \u2264 {_num(s.get('sla_itl_ms'), ',.0f')} ms",
             f"worker startup {_num(s.get('startup_time_s'), ',.0f')} s",
             f"{_num(s.get('requests'), ',d')} requests ({_num(s.get('completed_requests'), ',d')} completed)",
         ]

@@ -66,7 +66,8 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "ramp",
-            "arrivals ramp 2 -> 14 -> 2 req/s in minute steps (ISL 3000, OSL 800): each step as long as a cold start",
+            "arrivals ramp 2 -> 14 -> 2 req/s in minute steps (ISL 3000, OSL 800): "
+            "each step as long as a cold start",
             tuple(
                 Phase(d, r, 3000, 800)
                 for d, r in (
@@ -94,7 +95,8 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "opposite-shift",
-            "long outputs, then 10x longer prompts with 20x shorter outputs, then back: prefill up while decode goes down",
+            "long outputs, then 10x longer prompts with 20x shorter outputs, then back: "
+            "prefill up while decode goes down",
             (Phase(150, 4, 1000, 2000), Phase(300, 8, 10000, 100), Phase(150, 4, 1000, 2000)),
         ),
         Scenario(
