@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -109,9 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_http_clients() -> None:
+    """The load's HTTP client logs every request at INFO (hundreds per run), which drowns the progress
+    view."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    quiet_http_clients()
     run_dir = args.run_dir or REPO / "runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

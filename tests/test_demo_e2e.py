@@ -59,6 +59,8 @@ def test_shortened_demo_scales_decode_not_prefill_and_cleans_up(tmp_path: Path) 
     elapsed = time.monotonic() - started
     print(f"shortened demo took {elapsed:.0f} s")
     assert proc.returncode == 0, f"demo exited {proc.returncode}:\n{out[-4000:]}"
+    # The user's console: progress and the verdict, not one log line per load request.
+    assert "HTTP Request:" not in out, out[-2000:]
 
     # No process of the demo is left (the marker is inherited by everything it started, grandchildren too).
     time.sleep(0.5)
