@@ -237,3 +237,19 @@ def test_scripted_fleets_follow_their_schedule_and_bound_the_outcome(decode_shif
     ahead = simulate(_spec(decode_shift), None, script=clairvoyant_script(needs, 60.0))
     assert [(a["t_s"], a["to"]) for a in ahead["actions"] if a["to"] > a["from"]] == [(60.0, 2)]
     assert ahead["summary"]["goodput_pct"] > reactive["summary"]["goodput_pct"] + 5
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3, 5, 37, 64])
+def test_smallest_passing_finds_the_threshold_in_few_calls(threshold: int) -> None:
+    """The search behind the static baselines and the frontier's phase needs."""
+    from dynamo.planner.sim.baselines import smallest_passing
+
+    calls: list[int] = []
+
+    def ok(n: int) -> bool:
+        calls.append(n)
+        return n >= threshold
+
+    assert smallest_passing(ok, 64) == threshold
+    assert len(calls) <= 2 * max(threshold.bit_length(), 1) + 1
+    assert smallest_passing(lambda n: False, 64) is None

@@ -33,6 +33,13 @@ def cheapest_static(
             tried[n] = run(spec, n)
         return float(tried[n]["goodput_pct"]) >= target_pct
 
+    n = smallest_passing(ok, max_n)
+    return None if n is None else (n, tried[n])
+
+
+def smallest_passing(ok: Callable[[int], bool], max_n: int) -> int | None:
+    """Smallest n in [1, max_n] with ``ok(n)``, for a monotone ``ok``: doubling, then bisection (about
+    2 log2(n) calls); None if not even ``max_n`` passes."""
     hi = 1
     while not ok(hi):
         if hi >= max_n:
@@ -45,4 +52,4 @@ def cheapest_static(
             hi = mid
         else:
             lo = mid
-    return hi, tried[hi]
+    return hi

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .harness import SimSpec, simulate
+from .baselines import smallest_passing
+from .harness import Script, SimSpec, simulate
 from .scenarios import Scenario, requests
 
 AMPLE = 16  # replicas of the other pool while one pool's need is searched
@@ -42,22 +42,6 @@ def _ms(request: dict[str, object]) -> float:
     value = request["timestamp"]
     assert isinstance(value, int | float)
     return float(value)
-
-
-def _cheapest(ok: Callable[[int], bool], max_n: int) -> int:
-    """Smallest n in [1, max_n] with ok(n) (ok is monotone); max_n if none."""
-    if ok(1):
-        return 1
-    lo, hi = 1, 2
-    while hi < max_n and not ok(hi):
-        lo, hi = hi, min(hi * 2, max_n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
 
 
 def phase_needs(
@@ -86,8 +70,9 @@ def phase_needs(
                 s = simulate(replace(base, static=fleet), None)["summary"]
                 return float(s["goodput_pct"]) >= target_pct
 
-            p = _cheapest(lambda n: ok((n, AMPLE)), max_n)
-            d = _cheapest(lambda n: ok((AMPLE, n)), max_n)
+            # None: not even max_n reaches the target; the script then asks for max_n.
+            p = smallest_passing(lambda n: ok((n, AMPLE)), max_n) or max_n
+            d = smallest_passing(lambda n: ok((AMPLE, n)), max_n) or max_n
             out.append(PhaseNeed(start, end, p, d))
             start = end
     return out
@@ -100,7 +85,7 @@ def _phase_at(needs: list[PhaseNeed], t: float) -> PhaseNeed:
     return needs[-1]
 
 
-def reactive_script(needs: list[PhaseNeed], reaction_s: float = 5.0) -> Callable[[float], tuple[int, int]]:
+def reactive_script(needs: list[PhaseNeed], reaction_s: float = 5.0) -> Script:
     """Grow ``reaction_s`` after a phase begins, shrink when it begins."""
 
     def script(t: float) -> tuple[int, int]:
@@ -110,7 +95,7 @@ def reactive_script(needs: list[PhaseNeed], reaction_s: float = 5.0) -> Callable
     return script
 
 
-def clairvoyant_script(needs: list[PhaseNeed], startup_s: float) -> Callable[[float], tuple[int, int]]:
+def clairvoyant_script(needs: list[PhaseNeed], startup_s: float) -> Script:
     """Grow one cold start before a phase begins (ready on time), shrink when it begins."""
 
     def script(t: float) -> tuple[int, int]:
