@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 from dynamo.planner.sim.frontier import frontier, phase_needs
-from dynamo.planner.sim.harness import SimSpec
-from dynamo.planner.sim.inputs import check_trace, engine_args
-from dynamo.planner.sim.scenarios import SCENARIOS, write_trace
+from dynamo.planner.sim.harness import at_startup, trace_spec
+from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "bench-planner-outcomes"
@@ -36,10 +35,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every summary to this file")
     args = ap.parse_args()
-    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        print(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+    try:
+        names = scenario_names(args.scenarios)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     results = []
     print(
@@ -49,24 +48,13 @@ def main() -> int:
     for name in names:
         sc = SCENARIOS[name]
         trace = write_trace(name, CACHE / f"{name}-{args.seed}.jsonl", seed=args.seed)
-
-        def spec(startup: float, trace: Path = trace, initial: tuple[int, int] = sc.initial) -> SimSpec:
-            return SimSpec(
-                traces=(str(trace),),
-                prefill_engine_args=engine_args({}, "prefill", startup),
-                decode_engine_args=engine_args({}, "decode", startup),
-                sla_ttft_ms=2000.0,
-                sla_itl_ms=50.0,
-                trace_duration_s=check_trace(str(trace)),
-                initial=initial,
-            )
-
+        base = trace_spec(trace, sc.initial)
         t0 = time.perf_counter()
-        needs = phase_needs(sc, spec(0.0), seed=args.seed, target_pct=args.need_pct)
+        needs = phase_needs(sc, base, seed=args.seed, target_pct=args.need_pct)
         shown = " ".join(f"{n.start_s:g}:{n.prefill}+{n.decode}" for n in needs)
         print(f"  [{name}: phase needs in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
         for startup in (float(x) for x in args.startups.split(",")):
-            for fleet, s in frontier(sc, spec(startup), needs).items():
+            for fleet, s in frontier(sc, at_startup(base, startup), needs).items():
                 print(
                     f"{name:<15} {startup:>5g}  {fleet:<12} {s['goodput_pct']:>7.1f}% "
                     f"{s['gpu_hours']:>7.3f}   {shown}",

@@ -21,9 +21,8 @@ from typing import Any
 
 from dynamo.planner.config import config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.baselines import cheapest_static
-from dynamo.planner.sim.harness import SimSpec, simulate
-from dynamo.planner.sim.inputs import check_trace, engine_args
-from dynamo.planner.sim.scenarios import SCENARIOS, write_trace
+from dynamo.planner.sim.harness import SimSpec, at_startup, simulate, trace_spec
+from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 from upstream_planner.client import available as upstream_available
 from upstream_planner.client import run_upstream
 
@@ -77,10 +76,10 @@ def main() -> int:
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's planner")
     ap.add_argument("--json", help="write every summary to this file")
     args = ap.parse_args()
-    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        print(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+    try:
+        names = scenario_names(args.scenarios)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     startups = [float(x) for x in args.startups.split(",")]
     cfg = config_from_mapping(merge(FLEET_LIMITS, load_config_arg(args.config)))
@@ -96,15 +95,7 @@ def main() -> int:
     print(HEADER)
     for name in names:
         trace = write_trace(name, CACHE / f"{name}-{args.seed}.jsonl", seed=args.seed)
-        base = SimSpec(
-            traces=(str(trace),),
-            prefill_engine_args=engine_args({}, "prefill", 0.0),
-            decode_engine_args=engine_args({}, "decode", 0.0),
-            sla_ttft_ms=args.sla_ttft_ms,
-            sla_itl_ms=args.sla_itl_ms,
-            trace_duration_s=check_trace(str(trace)),
-            initial=SCENARIOS[name].initial,
-        )
+        base = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms)
         t0 = time.perf_counter()
         skey = f"static-{_key(trace, base)}"
         if skey not in cache:  # a static fleet's outcome does not depend on the planner: cached
@@ -121,15 +112,7 @@ def main() -> int:
         else:
             print(f"{name:<15} {'-':>5}  no static fleet up to 128+128 reaches 95%")
         for startup in startups:
-            spec = SimSpec(
-                traces=base.traces,
-                prefill_engine_args=engine_args({}, "prefill", startup),
-                decode_engine_args=engine_args({}, "decode", startup),
-                sla_ttft_ms=base.sla_ttft_ms,
-                sla_itl_ms=base.sla_itl_ms,
-                trace_duration_s=base.trace_duration_s,
-                initial=base.initial,
-            )
+            spec = at_startup(base, startup)
             ours = simulate(spec, cfg)["summary"]
             print(row(name, f"{startup:g}", "ours", ours, static_gpu_h), flush=True)
             results.append({"scenario": name, "startup_s": startup, "policy": "ours", **ours})

@@ -25,7 +25,7 @@ from ..config import PlannerConfig
 from ..decision_log import DecisionLog
 from ..loop import Planner
 from .connector import POOLS, SimCardSource, SimulatorConnector, engine_capacity
-from .inputs import merge_traces
+from .inputs import check_trace, engine_args, merge_traces
 from .records import queue_snapshot, to_record
 from .stats import direction_flips, percentile
 
@@ -46,6 +46,37 @@ class SimSpec:
     @property
     def startup_time_s(self) -> float:
         return float(self.decode_engine_args.get("startup_time") or 0.0)
+
+
+def trace_spec(
+    trace: str | Path,
+    initial: tuple[int, int] = (1, 1),
+    startup_s: float = 0.0,
+    sla_ttft_ms: float = 2000.0,
+    sla_itl_ms: float = 50.0,
+) -> SimSpec:
+    """One trace on the default engine pair (``engine_args`` without overrides) at a cold start."""
+    return at_startup(
+        SimSpec(
+            traces=(str(trace),),
+            prefill_engine_args={},
+            decode_engine_args={},
+            sla_ttft_ms=sla_ttft_ms,
+            sla_itl_ms=sla_itl_ms,
+            trace_duration_s=check_trace(str(trace)),
+            initial=initial,
+        ),
+        startup_s,
+    )
+
+
+def at_startup(spec: SimSpec, startup_s: float) -> SimSpec:
+    """The same run with both pools' engines at another cold start (default engine pair)."""
+    return replace(
+        spec,
+        prefill_engine_args=engine_args({}, "prefill", startup_s),
+        decode_engine_args=engine_args({}, "decode", startup_s),
+    )
 
 
 @dataclass

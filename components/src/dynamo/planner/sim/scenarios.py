@@ -114,6 +114,15 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+def scenario_names(arg: str) -> list[str]:
+    """The names in a comma-separated ``--scenarios`` argument; ValueError naming the first unknown one."""
+    names = [n.strip() for n in arg.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenario {unknown[0]!r}; known: {', '.join(SCENARIOS)}")
+    return names
+
+
 def requests(scenario: Scenario, seed: int = 0) -> Iterator[dict[str, object]]:
     """The trace's requests in arrival order (Mooncake fields)."""
     rng = random.Random(f"{scenario.name}/{seed}")
