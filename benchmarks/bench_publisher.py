@@ -12,7 +12,10 @@ NATS protocol reader, so the receiver never competes with the publisher for the 
    (ours counts every drop; the runtime's losses are silent, so they show as "unaccounted");
 3. publish-to-receive latency p50 / p99 at 1,000 records/s (receive time stamped by the receiver
    process on the shared monotonic clock); both publishers run at once, one record each per
-   millisecond half a millisecond apart, so that noise from other processes hits both alike.
+   millisecond half a millisecond apart, so that noise from other processes hits both alike; and during
+   that run the CPU time of our sender thread per record (what publishing costs the engine process beyond
+   ``publish()``; the runtime's sender shares its tokio threads with the rest of the runtime, so it has no
+   such figure).
 
 Prints a table with ratios (ours / runtime; lower is better for costs and latency).
 """
@@ -277,6 +280,7 @@ class Result:
     lat_p99_ms: float = 0.0
     lat_received: int = 0
     lat_sent: int = 0
+    sender_cpu_us_per_record: float | None = None
 
 
 def measure(make_pub: Any, url: str, workdir: str, tag: str, seconds: float) -> Result:
@@ -331,11 +335,24 @@ def measure(make_pub: Any, url: str, workdir: str, tag: str, seconds: float) -> 
     )
 
 
-def measure_latency(makers: dict[str, Any], url: str, workdir: str, seconds: int) -> dict[str, list[float]]:
+def sender_thread_cpu_s() -> float:
+    """CPU seconds (nanosecond clock) of our publisher's sender thread(s) now alive in this process."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name == "fpm-publisher" and t.ident is not None:
+            with contextlib.suppress(OSError):  # the thread ended since enumerate()
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    return total
+
+
+def measure_latency(
+    makers: dict[str, Any], url: str, workdir: str, seconds: int, cpu: dict[str, float] | None = None
+) -> dict[str, list[float]]:
     """Publish-to-receive latency (ms) at 1,000 records/s per publisher, all publishers at once.
 
     Each millisecond every publisher gets one record, at evenly spread offsets, so machine noise
-    (other processes on a shared box) hits them at the same moments.
+    (other processes on a shared box) hits them at the same moments. ``cpu`` receives our sender
+    thread's CPU microseconds per record over the run (key "ours").
     """
     recvs, pubs, sent_at, recs = {}, {}, {}, {}
     n = seconds * 1000
@@ -351,6 +368,7 @@ def measure_latency(makers: dict[str, Any], url: str, workdir: str, seconds: int
             (k / (1000.0 * len(pubs)), pub.pub.publish, pub.kwargs, sent_at[name], recs[name])
             for k, (name, pub) in enumerate(pubs.items())
         ]
+        cpu0 = sender_thread_cpu_s()
         start = PERF() + 0.01
         for i in range(1, n + 1):
             for offset, fn, kwargs, times, rr in slots:
@@ -363,6 +381,8 @@ def measure_latency(makers: dict[str, Any], url: str, workdir: str, seconds: int
                 else:
                     fn(rr[i])
         time.sleep(0.2)
+        if cpu is not None and "ours" in pubs:
+            cpu["ours"] = (sender_thread_cpu_s() - cpu0) / n * 1e6
     finally:
         for pub in pubs.values():
             pub.close()
@@ -436,6 +456,16 @@ def print_table(ours: Result, rt: Result, overhead_ns: int) -> None:
             "",
         )
     )
+    if ours.sender_cpu_us_per_record is not None:
+        rows.append(
+            (
+                "sender thread CPU per record @ 1,000 rec/s",
+                f"{ours.sender_cpu_us_per_record:.1f} us",
+                "n/a (shared tokio threads)",
+                "",
+                "(info)",
+            )
+        )
     widths = [
         max(len(r[i]) for r in [("metric", "ours", "runtime (Rust)", "ours/runtime", "target"), *rows])
         for i in range(5)
@@ -477,13 +507,16 @@ async def amain(args: argparse.Namespace) -> int:
                 measure, lambda c: Runtime(drt, c), server.url, workdir, "r", args.seconds
             )
             lat_s = max(2, round(args.seconds))
+            sender_cpu: dict[str, float] = {}
             lats = await asyncio.to_thread(
                 measure_latency,
                 {"ours": lambda c: Ours(server.url, c), "runtime": lambda c: Runtime(drt, c)},
                 server.url,
                 workdir,
                 lat_s,
+                sender_cpu,
             )
+            ours.sender_cpu_us_per_record = sender_cpu.get("ours")
             for res, name in ((ours, "ours"), (rt, "runtime")):
                 res.lat_p50_ms, res.lat_p99_ms = pct(lats[name], 0.5), pct(lats[name], 0.99)
                 res.lat_received, res.lat_sent = len(lats[name]), lat_s * 1000
