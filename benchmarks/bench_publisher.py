@@ -15,7 +15,10 @@ NATS protocol reader, so the receiver never competes with the publisher for the 
    millisecond half a millisecond apart, so that noise from other processes hits both alike; and during
    that run the CPU time of our sender thread per record (what publishing costs the engine process beyond
    ``publish()``; the runtime's sender shares its tokio threads with the rest of the runtime, so it has no
-   such figure).
+   such figure);
+4. the whole process's CPU per record at 1,000 records/s, each publisher alone, over the same process's CPU
+   in an equal idle interval just before (the sleep-paced caller, identical for both, is included): the
+   figure that compares the two senders.
 
 Prints a table with ratios (ours / runtime; lower is better for costs and latency).
 """
@@ -281,6 +284,7 @@ class Result:
     lat_received: int = 0
     lat_sent: int = 0
     sender_cpu_us_per_record: float | None = None
+    process_cpu_us_per_record: float = 0.0
 
 
 def measure(make_pub: Any, url: str, workdir: str, tag: str, seconds: float) -> Result:
@@ -332,7 +336,31 @@ def measure(make_pub: Any, url: str, workdir: str, tag: str, seconds: float) -> 
         delivered=delivered,
         dropped=dropped,
         flood_seconds=flood_s,
+        process_cpu_us_per_record=process_cpu_per_record(make_pub, seconds),
     )
+
+
+def process_cpu_per_record(make_pub: Any, seconds: float, rate: float = 1000.0) -> float:
+    """This process's CPU microseconds per record at ``rate``, over an equal idle interval before it."""
+    pub = make_pub("cpu")
+    try:
+        recs = [pub.make(i + 1) for i in range(1000)]
+        time.sleep(0.2)
+        p0 = time.process_time()
+        time.sleep(seconds)
+        idle = time.process_time() - p0
+        n = int(seconds * rate)
+        p0 = time.process_time()
+        start = PERF()
+        for i in range(n):
+            wait = start + i / rate - PERF()
+            if wait > 0:
+                time.sleep(wait)
+            pub.call(i, recs[i % 1000])
+        busy = time.process_time() - p0
+    finally:
+        pub.close()
+    return (busy - idle) / n * 1e6
 
 
 def sender_thread_cpu_s() -> float:
@@ -454,6 +482,15 @@ def print_table(ours: Result, rt: Result, overhead_ns: int) -> None:
             f"{rt.lat_received}/{rt.lat_sent}",
             "",
             "",
+        )
+    )
+    rows.append(
+        (
+            "process CPU per record @ 1,000 rec/s",
+            f"{ours.process_cpu_us_per_record:.1f} us",
+            f"{rt.process_cpu_us_per_record:.1f} us",
+            ratio(ours.process_cpu_us_per_record, rt.process_cpu_us_per_record),
+            "(info)",
         )
     )
     if ours.sender_cpu_us_per_record is not None:
