@@ -4,11 +4,14 @@ Two engines on the tiny model live side by side in this process (each its own En
 same config, prefix caching and stats on); the instrumented one publishes every record through the
 real ``FpmDirectPublisher`` to a real nats-server. Rounds alternate which engine goes first, and each
 round serves the same batch of concurrent requests on one engine, then on the other, so machine noise
-hits both alike. Reported: tokens/s per engine per round, the per-round ratio instrumented / plain, its
-median and spread.
+hits both alike. Between two batches the benchmark waits ``--settle-s``: after a read, vLLM 0.32's
+shared-memory readers spin with ``sched_yield()`` for a second before they park, so without the pause the
+engine that just finished takes a core from the one that starts (on 2 cores, per-round ratios scattered
+0.55-2.06). Reported: tokens/s per engine per round, the per-round ratio instrumented / plain, its median,
+quartiles and spread.
 
     .venv/bin/python benchmarks/bench_engine.py [--rounds 10] [--requests 64] [--max-tokens 256]
-        [--prompt-tokens 32] [--max-num-seqs 64] [--json]
+        [--prompt-tokens 32] [--max-num-seqs 64] [--settle-s 1.5] [--json]
 """
 
 from __future__ import annotations
@@ -59,10 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (distinct prompts)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engines' running-batch limit")
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.5,
+        help="pause between batches, so the idle engine's readers stop spinning (vLLM: 1 s after a read)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.rounds < 2 or args.requests < 1 or args.max_tokens < 1 or args.prompt_tokens < 1:
         ap.error("--rounds must be >= 2, --requests, --max-tokens and --prompt-tokens >= 1")
+    if args.settle_s < 0:
+        ap.error("--settle-s must be >= 0")
 
     from dynamo.common.nats_server import EmbeddedNatsServer
     from dynamo.vllm.tiny_model import build_tiny_model
@@ -109,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             order = ["plain", "instrumented"] if r % 2 == 0 else ["instrumented", "plain"]
             row: dict[str, Any] = {"round": r, "first": order[0]}
             for name in order:
+                time.sleep(args.settle_s)
                 spent, tokens = serve(engines[name], prompts(r), params)
                 row[name] = tokens / spent
             row["ratio"] = row["instrumented"] / row["plain"]
@@ -128,17 +140,21 @@ def main(argv: list[str] | None = None) -> int:
             "error: the instrumented engine published no FPM record; the comparison is void", file=sys.stderr
         )
         return 1
-    ratios = [row["ratio"] for row in rows]
+    ratios = sorted(row["ratio"] for row in rows)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
     summary = {
         "rounds": rows,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "records_published": published,
         "ratio_median": statistics.median(ratios),
+        "ratio_quartiles": [q1, q3],
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "plain_tok_s_median": statistics.median(row["plain"] for row in rows),
         "instrumented_tok_s_median": statistics.median(row["instrumented"] for row in rows),
+        "settle_s": args.settle_s,
+        "load_average_1m": os.getloadavg()[0],
     }
     if args.json:
         print(json.dumps(summary))
@@ -149,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  plain AsyncScheduler     median {summary['plain_tok_s_median']:.0f}\n"
             f"  InstrumentedScheduler    median {summary['instrumented_tok_s_median']:.0f}\n"
             f"  ratio instrumented/plain median {summary['ratio_median']:.3f} "
-            f"(spread {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}); "
-            f"{published} FPM records published to NATS"
+            f"(quartiles {q1:.3f}-{q3:.3f}, spread {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}); "
+            f"{published} FPM records published to NATS; load average {summary['load_average_1m']:.1f}"
         )
     return 0
 
