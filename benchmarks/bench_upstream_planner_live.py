@@ -1,25 +1,33 @@
 """Benchmark: upstream Dynamo 1.6.1's own planner, live, scales the right pool from our workers' FPM records.
 
-    .venv/bin/python benchmarks/bench_upstream_planner_live.py [--planes nats,zmq] [--json]
-    make bench-upstream-live
+    .venv/bin/python benchmarks/bench_upstream_planner_live.py [--planes nats,zmq] [--shapes decode,prefill]
+                                                               [--json] [--keep-logs]
+    make bench-upstream-live [UPLIVE_ARGS="--planes zmq"]
 
-Per event plane, real processes on free loopback ports: etcd (upstream's virtual connector keeps its
-decision there), NATS (only for the ``nats`` plane), Dynamo's frontend, our ``python -m dynamo.vllm`` as a
-disaggregated pair on the tiny model (prefill pool = component ``prefill``, decode pool = ``backend``, file
-discovery), and upstream's planner ``python -m dynamo.planner`` from its isolated venv
-(``benchmarks/upstream_planner/README.md``): ``environment: virtual``, ``mode: disagg``, load-based
-scaling with ``optimization_target: load`` (a prefill-queue and a decode-KV threshold of our choosing). The
-load is decode-heavy: short prompts, long outputs, a few concurrent streams through the frontend. The right
-answer is "one more decode worker, prefill unchanged". The decision is read where a deployment environment
-reads it (``VirtualConnectorClient``, ``upstream_planner/live_observer.py``) and cross-checked in the
-planner's log. Nothing starts the extra worker (a 2-core machine): the first decision is the result.
+Per event plane, real processes on free loopback ports: NATS (only for the ``nats`` plane), Dynamo's
+frontend and our ``python -m dynamo.vllm`` as a disaggregated pair on the tiny model (prefill pool =
+component ``prefill``, decode pool = ``backend``; file discovery). Then, per load shape, a fresh etcd (where
+upstream's virtual connector keeps its decision) and upstream's planner ``python -m dynamo.planner`` from its
+isolated venv (``benchmarks/upstream_planner/README.md``): ``environment: virtual``, ``mode: disagg``,
+load-based scaling with ``optimization_target: load`` and the same two thresholds for every shape (a prefill
+queue of one context; a decode KV utilization). Idle first (no decision may come), then the shape's load
+through the frontend: ``decode`` (short prompts, long outputs: decode KV grows) must give "decode +1,
+prefill unchanged", ``prefill`` (long prompts, two output tokens: prompts queue) "prefill +1, decode
+unchanged". The decision is read where a deployment environment reads it (``VirtualConnectorClient``, in
+``upstream_planner/live_observer.py``) and cross-checked in the planner's log. Nothing starts the extra
+worker (a 2-core machine), so the first decision is the result: upstream's planner then holds, "scaling in
+progress". Exit 0 when every trial passes, 1 otherwise, 2 when the isolated venv is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,6 +61,19 @@ OBSERVER = REPO / "benchmarks" / "upstream_planner" / "live_observer.py"
 MODEL = "tiny"
 BLOCK_SIZE = 32  # worker_support.ENGINE_FLAGS
 PLANES = ("nats", "zmq")
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "it", "was", "warm"]
+# The load shapes and the pool each makes the right one to scale, under the same planner config. The wrong
+# pool's threshold is out of reach by construction (`shape_bounds`): all of a shape's streams at once hold
+# at most concurrency x (prompt + output) KV tokens on decode and concurrency x prompt tokens in the prefill
+# queue, below the other pool's threshold. (A first prefill shape, 6 x 800-token prompts on a 4096-token
+# decode cache, could reach the decode threshold: four prompts' KV, 78%, sat on decode at once, and upstream
+# scaled decode, rightly by its rule.)
+SHAPES: dict[str, dict[str, Any]] = {
+    # Short prompts, long outputs: decode KV grows past the decode threshold; prompts never queue.
+    "decode": {"concurrency": 16, "prompt_tokens": 2, "max_tokens": 600, "right_pool": "decode"},
+    # Long prompts, two output tokens: prompts queue on the prefill engine; decode never holds enough KV.
+    "prefill": {"concurrency": 8, "prompt_tokens": 600, "max_tokens": 2, "right_pool": "prefill"},
+}
 
 
 def upstream_ready() -> str | None:
@@ -78,6 +99,28 @@ def upstream_ready() -> str | None:
     return None
 
 
+def shape_bounds(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The most a shape can put on each pool, against the thresholds: which pool can be triggered at all."""
+    spec = SHAPES[shape]
+    decode_kv_max = spec["concurrency"] * (spec["prompt_tokens"] + spec["max_tokens"])
+    decode_kv_threshold = args.decode_kv_rate / 100 * args.decode_blocks * BLOCK_SIZE
+    prefill_queue_max = spec["concurrency"] * spec["prompt_tokens"]
+    return {
+        "decode_kv_max": decode_kv_max,
+        "decode_kv_threshold": round(decode_kv_threshold),
+        "prefill_queue_max": prefill_queue_max,
+        "prefill_queue_threshold": args.prefill_queue_tokens,
+        "reachable": [
+            pool
+            for pool, ok in (
+                ("prefill", prefill_queue_max >= args.prefill_queue_tokens),
+                ("decode", decode_kv_max >= decode_kv_threshold),
+            )
+            if ok
+        ],
+    }
+
+
 def planner_config(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Upstream 1.6.1's PlannerConfig: virtual connector, disagg, load-based scaling on our thresholds."""
     return {
@@ -99,7 +142,7 @@ def planner_config(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "decode_scale_up_kv_rate": args.decode_kv_rate,
         "decode_scale_down_kv_rate": 0,
         # Off: its Prometheus port, the live dashboard (default 0.0.0.0:8080), the runtime configuration API
-        # (default 127.0.0.1:9086) and the HTML report: fixed ports and CPU this benchmark does not want.
+        # (default 127.0.0.1:9086): fixed ports. With both off and no interval, no HTML report is written.
         "metric_reporting_prometheus_port": 0,
         "live_dashboard_port": 0,
         "control_api_port": 0,
@@ -111,9 +154,10 @@ def planner_config(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 class Load:
     """``concurrency`` client threads, each streaming one completion after another until stopped."""
 
-    def __init__(self, base_url: str, concurrency: int, max_tokens: int) -> None:
+    def __init__(self, base_url: str, concurrency: int, prompt_tokens: int, max_tokens: int) -> None:
         self.base_url = base_url
-        self.body = {"model": MODEL, "prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True}
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
         self.stop_event = threading.Event()
         self.done = 0
         self.failed = 0
@@ -132,9 +176,20 @@ class Load:
         for t in self.threads:
             t.join(timeout=120)
 
+    def _prompt(self, rng: random.Random) -> str:
+        """Words the tiny model's tokenizer maps to one token each, shuffled so prompts share no prefix."""
+        return " ".join(rng.choice(WORDS) for _ in range(self.prompt_tokens))
+
     def _run(self) -> None:
-        data = json.dumps(self.body).encode()
+        rng = random.Random()
         while not self.stop_event.is_set():
+            body = {
+                "model": MODEL,
+                "prompt": self._prompt(rng),
+                "max_tokens": self.max_tokens,
+                "ignore_eos": True,
+            }
+            data = json.dumps(body).encode()
             req = urllib.request.Request(
                 f"{self.base_url}/v1/completions", data=data, headers={"content-type": "application/json"}
             )
@@ -180,9 +235,6 @@ class Observer:
                 self.decisions.append(row)
 
     def stop(self) -> None:
-        import os
-        import signal
-
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         try:
@@ -248,28 +300,19 @@ def published(metrics_url: str) -> dict[str, int | None]:
     }
 
 
-def run_plane(
-    plane: str, model_dir: Path, etcd: EmbeddedEtcd, work: Path, args: argparse.Namespace
-) -> dict[str, Any]:
-    """One plane, start to stop: the stack, upstream's planner, the load, the first decision."""
+def run_plane(plane: str, model_dir: Path, work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One plane: the stack once, then one trial per load shape (each: a planner and an etcd of its own)."""
     t0 = time.monotonic()
     ns = f"uplive-{plane}"
     pdir = work / plane
     file_kv = pdir / "discovery"
     file_kv.mkdir(parents=True)
     nats = EmbeddedNatsServer().start() if plane == "nats" else None
-    env = base_env(
-        file_kv,
-        nats.url if nats else None,
-        DYN_EVENT_PLANE=plane,
-        DYN_NAMESPACE=ns,
-        ETCD_ENDPOINTS=etcd.url,
-    )
+    env = base_env(file_kv, nats.url if nats else None, DYN_EVENT_PLANE=plane, DYN_NAMESPACE=ns)
     env.pop("DYN_FORWARDPASS_METRIC_PORT", None)
+    env.pop("ETCD_ENDPOINTS", None)  # file discovery for the workers; etcd is the virtual connector's only
     procs: list[Proc] = []
-    observer: Observer | None = None
-    load: Load | None = None
-    result: dict[str, Any] = {"plane": plane, "namespace": ns}
+    rows: list[dict[str, Any]] = []
 
     def say(msg: str) -> None:
         print(f"[{plane} {time.monotonic() - t0:6.1f}s] {msg}", flush=True)
@@ -279,47 +322,100 @@ def run_plane(
         base_url = f"http://127.0.0.1:{http_port}"
         common = ["--served-model-name", MODEL, "--namespace", ns, "--kv-transfer-config"]
         procs.append(start_frontend(http_port, env, pdir / "frontend.log"))
-        prefill = start_worker(
+        procs.append(start_worker(
             model_dir, env, pdir / "prefill.log", *common, kv_transfer_config_json("kv_both"),
             "--disaggregation-mode", "prefill", "--metrics-port", str(p_metrics),
-        )  # fmt: skip
-        procs.append(prefill)
-        decode = start_worker(
+            "--max-num-batched-tokens", str(args.prefill_batch_tokens),
+        ))  # fmt: skip
+        procs.append(start_worker(
             model_dir, env, pdir / "decode.log", *common, kv_transfer_config_json("kv_both"),
             "--disaggregation-mode", "decode", "--metrics-port", str(d_metrics),
-            "--num-gpu-blocks-override", str(args.decode_blocks), "--max-num-seqs", str(args.concurrency),
-        )  # fmt: skip
-        procs.append(decode)
+            "--num-gpu-blocks-override", str(args.decode_blocks),
+            "--max-num-seqs", str(max(spec["concurrency"] for spec in SHAPES.values())),
+        ))  # fmt: skip
         say("frontend + prefill + decode workers starting (tiny model, CPU)")
         wait_until(lambda: model_ready(base_url, MODEL), timeout=600, procs=procs)
         say("model ready behind the frontend")
+        metrics = {
+            "prefill": f"http://127.0.0.1:{p_metrics}/metrics",
+            "decode": f"http://127.0.0.1:{d_metrics}/metrics",
+        }
+        for shape in args.shapes:
+            rows.append(run_trial(plane, shape, ns, env, base_url, metrics, procs, pdir / shape, args, say))
+    except Exception as exc:  # the stack failed: every shape of this plane fails, the next plane still runs
+        done = {r["shape"] for r in rows}
+        rows.extend(
+            {"plane": plane, "shape": shape, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:3000]}
+            for shape in args.shapes
+            if shape not in done
+        )
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        if nats is not None:
+            nats.stop()
+    for row in rows:
+        row.update(plane_wall_s=round(time.monotonic() - t0, 1), logs=str(pdir))
+    return rows
 
-        planner_env = {k: v for k, v in env.items() if not k.startswith("PYTHON") or k == "PYTHONUNBUFFERED"}
-        cfg = planner_config(args, pdir)
+
+def run_trial(
+    plane: str,
+    shape: str,
+    ns: str,
+    env: dict[str, str],
+    base_url: str,
+    metrics: dict[str, str],
+    stack: list[Proc],
+    tdir: Path,
+    args: argparse.Namespace,
+    say: Any,
+) -> dict[str, Any]:
+    """Upstream's planner on the running stack: idle first, then the shape's load until the first decision."""
+    t0 = time.monotonic()
+    spec = SHAPES[shape]
+    tdir.mkdir(parents=True)
+    etcd = EmbeddedEtcd().start()  # a fresh virtual-connector state: no earlier trial's decision
+    tenv = {**env, "ETCD_ENDPOINTS": etcd.url}
+    planner: Proc | None = None
+    observer: Observer | None = None
+    load: Load | None = None
+    result: dict[str, Any] = {
+        "plane": plane,
+        "shape": shape,
+        "right_pool": spec["right_pool"],
+        "bounds": shape_bounds(shape, args),
+    }
+    try:
+        before = {pool: published(url) for pool, url in metrics.items()}
+        planner_env = {k: v for k, v in tenv.items() if not k.startswith("PYTHON") or k == "PYTHONUNBUFFERED"}
+        cfg = planner_config(args, tdir)
         planner = Proc(
             [str(UPSTREAM_PY), "-I", "-m", "dynamo.planner", "--config", json.dumps(cfg)],
             planner_env,
-            pdir / "planner.log",
+            tdir / "planner.log",
         )
-        procs.append(planner)
-        observer = Observer(ns, env, pdir / "observer.log")
-        say("upstream 1.6.1 planner starting (isolated venv)")
+        observer = Observer(ns, tenv, tdir / "observer.log")
+        say(f"[{shape}] upstream 1.6.1 planner starting (isolated venv)")
+        procs = [*stack, planner]
+        log = planner.log
 
         def planner_ticking() -> bool:
-            view = planner_view(planner.log())
+            view = planner_view(log())
             return len(view["trackers"]) >= 2 and view["ticks"] >= 1
 
         wait_until(planner_ticking, timeout=180, procs=procs)
         if not observer.ready.wait(60):
-            raise RuntimeError(f"the decision observer did not start: see {pdir / 'observer.log'}")
-        say(f"planner ticking; watching {args.idle_s:.0f} s of idle first")
+            raise RuntimeError(f"the decision observer did not start: see {tdir / 'observer.log'}")
+        say(f"[{shape}] planner ticking; watching {args.idle_s:.0f} s of idle first")
         time.sleep(args.idle_s)
         idle_decisions = list(observer.decisions)
-        idle_view = planner_view(planner.log())
+        idle_ticks = planner_view(log())["ticks"]
 
-        load = Load(base_url, args.concurrency, args.max_tokens)
+        load = Load(base_url, spec["concurrency"], spec["prompt_tokens"], spec["max_tokens"])
         load_start = load.start()
-        say(f"load: {args.concurrency} streams of short prompts, {args.max_tokens} output tokens each")
+        say(f"[{shape}] load: {spec['concurrency']} streams, prompts of {spec['prompt_tokens']} tokens, "
+            f"{spec['max_tokens']} output tokens each")  # fmt: skip
         deadline = time.monotonic() + args.timeout
         while not observer.decisions and time.monotonic() < deadline:
             for proc in procs:
@@ -328,16 +424,17 @@ def run_plane(
             time.sleep(0.25)
         first = observer.decisions[0] if observer.decisions else None
         if first:
-            say(f"first decision: prefill {first['prefill']}, decode {first['decode']}")
+            say(f"[{shape}] first decision: prefill {first['prefill']}, decode {first['decode']}")
             time.sleep(2 * args.interval)  # the planner's log lines for that tick
         else:
-            say(f"no decision within {args.timeout:.0f} s of load")
+            say(f"[{shape}] no decision within {args.timeout:.0f} s of load")
         load.stop()
         load_s = time.time() - load_start
-        view = planner_view(planner.log())
+        after = {pool: published(url) for pool, url in metrics.items()}
+        view = planner_view(log())
         result.update(
-            published={"prefill": published(f"http://127.0.0.1:{p_metrics}/metrics"),
-                       "decode": published(f"http://127.0.0.1:{d_metrics}/metrics")},
+            published={pool: {k: _delta(after[pool][k], before[pool][k]) for k in ("records", "heartbeats")}
+                       for pool in metrics},
             planner_saw=view["fpm_samples"],
             planner_trackers=view["trackers"],
             planner_ticks=view["ticks"],
@@ -348,7 +445,7 @@ def run_plane(
             planner_log_decisions=view["decisions"],
             planner_errors=view["errors"],
             idle_decisions=idle_decisions,
-            idle_ticks=idle_view["ticks"],
+            idle_ticks=idle_ticks,
             first_decision=first,
             decision_after_s=round(first["t"] - load_start, 1) if first else None,
             load={"requests_done": load.done, "failed": load.failed, "tokens": load.tokens,
@@ -356,41 +453,46 @@ def run_plane(
         )  # fmt: skip
         scaled = []
         if first:
-            if first["prefill"] > 1:
-                scaled.append("prefill")
-            if first["decode"] > 1:
-                scaled.append("decode")
+            scaled = [pool for pool in ("prefill", "decode") if first[pool] > 1]
         result["scaled"] = scaled
         logged = view["decisions"][0] if view["decisions"] else None
         result["log_agrees"] = bool(
             first and logged and (logged["prefill"], logged["decode"]) == (first["prefill"], first["decode"])
         )
-        result["pass"] = scaled == ["decode"] and not idle_decisions and result["log_agrees"]
-    except Exception as exc:  # reported per plane; the other plane still runs
+        result["pass"] = scaled == [spec["right_pool"]] and not idle_decisions and result["log_agrees"]
+    except Exception as exc:  # reported per trial; the next one still runs
         result.update(error=f"{type(exc).__name__}: {exc}"[:3000], scaled=[])
         result["pass"] = False
     finally:
         if load is not None:
             load.stop_event.set()
-        for proc in reversed(procs):
-            proc.stop()
+        if planner is not None:
+            planner.stop()
         if observer is not None:
             observer.stop()
         if load is not None:
             load.stop()
-        if nats is not None:
-            nats.stop()
+        etcd.stop()
         result["wall_s"] = round(time.monotonic() - t0, 1)
-        result["logs"] = str(pdir)
     return result
+
+
+def _delta(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
-        print(f"\n== plane {r['plane']}: {'PASS' if r['pass'] else 'FAIL'} ({r['wall_s']:.0f} s)")
+        wall = f" ({r['wall_s']:.0f} s)" if "wall_s" in r else ""
+        print(f"\n== plane {r['plane']}, {r['shape']}-heavy load: {'PASS' if r['pass'] else 'FAIL'}{wall}")
         if r.get("error"):
             print(f"  error: {r['error']}")
             continue
+        b = r["bounds"]
+        print(f"  by construction: decode KV <= {b['decode_kv_max']} tokens "
+              f"(threshold {b['decode_kv_threshold']}), "
+              f"prefill queue <= {b['prefill_queue_max']} tokens (threshold {b['prefill_queue_threshold']}): "
+              f"only {', '.join(b['reachable']) or 'nothing'} reachable")  # fmt: skip
         pub = r["published"]
         print("  records our workers published (dynamo_worker_fpm_published_total; + idle heartbeats): "
               f"prefill {pub['prefill']['records']} (+{pub['prefill']['heartbeats']}), "
@@ -402,17 +504,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"  planner ticks {r['planner_ticks']} ({r['idle_ticks']} idle before the load, "
               f"decisions then: {len(r['idle_decisions'])})")  # fmt: skip
         util = r["decode_util_max"]
-        print(f"  decode KV utilization the planner computed, max {util if util is not None else '-'} of "
+        print(f"  what it computed: decode KV utilization max {util if util is not None else '-'} of "
               f"max_kv {r['decode_max_kv']}; prefill queue max {r['prefill_queue_max']} tokens")  # fmt: skip
         first = r["first_decision"]
         if first:
             print(
                 f"  first decision (virtual connector): prefill {first['prefill']}, decode {first['decode']} "
-                f"after {r['decision_after_s']} s of load -> scaled {', '.join(r['scaled']) or 'nothing'}; "
-                f"the planner's log agrees: {'yes' if r['log_agrees'] else 'NO'}"
+                f"after {r['decision_after_s']} s of load -> scaled {', '.join(r['scaled']) or 'nothing'} "
+                f"(right: {r['right_pool']}); the planner's log agrees: {'yes' if r['log_agrees'] else 'NO'}"
             )
         else:
-            print("  first decision: none")
+            print(f"  first decision: none (right: {r['right_pool']})")
         ld = r["load"]
         print(f"  load: {ld['requests_done']} requests done, {ld['failed']} failed, {ld['tokens']} tokens in "
               f"{ld['seconds']} s")  # fmt: skip
@@ -423,13 +525,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--planes", default="nats,zmq", help="comma-separated: nats, zmq (default both)")
-    parser.add_argument("--concurrency", type=int, default=8, help="concurrent client streams (default 8)")
-    parser.add_argument("--max-tokens", type=int, default=400, help="output tokens per request (default 400)")
+    parser.add_argument(
+        "--shapes", default="decode,prefill", help="load shapes: decode, prefill (default both)"
+    )
     parser.add_argument(
         "--decode-blocks",
         type=int,
-        default=128,
-        help="the decode worker's KV blocks of 32 tokens (--num-gpu-blocks-override, default 128)",
+        default=512,
+        help="the decode worker's KV blocks of 32 tokens (--num-gpu-blocks-override, default 512)",
+    )
+    parser.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=256,
+        help="the prefill worker's --max-num-batched-tokens (default 256)",
     )
     parser.add_argument(
         "--decode-kv-rate",
@@ -445,13 +554,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--interval", type=int, default=2, help="upstream's load_adjustment_interval_seconds")
     parser.add_argument("--idle-s", type=float, default=8.0, help="idle seconds watched before the load")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds of load to wait for a decision")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds of load to wait for a decision")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work folder (printed)")
     parser.add_argument("--json", action="store_true", help="one JSON object on the last stdout line")
     args = parser.parse_args(argv)  # fmt: skip
     planes = [p.strip() for p in args.planes.split(",") if p.strip()]
     if not planes or any(p not in PLANES for p in planes):
         parser.error(f"--planes takes {', '.join(PLANES)}")
+    args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if not args.shapes or any(s not in SHAPES for s in args.shapes):
+        parser.error(f"--shapes takes {', '.join(SHAPES)}")
+    for shape in args.shapes:
+        bounds = shape_bounds(shape, args)
+        if bounds["reachable"] != [SHAPES[shape]["right_pool"]]:
+            print(
+                f"warning: with these thresholds the {shape} shape can trigger "
+                f"{bounds['reachable']}: {bounds}",
+            )
+    # A SIGTERM unwinds like Ctrl-C, through every `finally`: no worker, engine or server outlives the run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if (why := upstream_ready()) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
@@ -463,22 +584,17 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tmp)
     try:
         model_dir = build_tiny_model(work / "model")
-        etcd = EmbeddedEtcd().start()
-        try:
-            for plane in planes:
-                rows.append(run_plane(plane, model_dir, etcd, work, args))
-        finally:
-            etcd.stop()
+        for plane in planes:
+            rows.extend(run_plane(plane, model_dir, work, args))
     finally:
         if not args.keep_logs:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
     total = round(time.monotonic() - started, 1)
-    print(f"\ntotal {total:.0f} s" + (f"; logs in {tmp}" if args.keep_logs else ""))
+    verdicts = ", ".join(f"{r['plane']}/{r['shape']} {'PASS' if r['pass'] else 'FAIL'}" for r in rows)
+    print(f"\n{verdicts}; total {total:.0f} s" + (f"; logs in {tmp}" if args.keep_logs else ""))
     if args.json:
-        print(json.dumps({"planes": rows, "wall_s": total, "config": vars(args)}))
+        print(json.dumps({"trials": rows, "wall_s": total, "config": vars(args)}))
     return 0 if rows and all(r["pass"] for r in rows) else 1
 
 
