@@ -94,7 +94,7 @@ $(UPSTREAM_PLANNER_STAMP): $(UPSTREAM_PLANNER_REQS)
 
 # Upstream 1.6.1's own planner, live (`python -m dynamo.planner` from the isolated venv above, virtual
 # connector, load-based scaling) on our workers' FPM records, per event plane: does it scale the right pool?
-# (docs/from-upstream.md#upstreams-own-planner-on-our-workers-live). About 7 min on 2 cores.
+# (docs/from-upstream.md#upstreams-own-planner-on-our-workers-live). 7-9 min on 2 cores.
 UPLIVE_ARGS ?=
 .PHONY: bench-upstream-live
 bench-upstream-live: setup upstream-planner-env
