@@ -51,8 +51,10 @@ DEMO_ARGS ?=
 demo: setup
 	$(PY) launch/demo.py $(DEMO_ARGS)
 
+# bench_upstream_planner_live.py needs the isolated upstream venv: its own target, bench-upstream-live, below.
 bench: setup
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in benchmarks/bench_*.py; do [ $$b = benchmarks/bench_upstream_planner_live.py ] && continue; \
+		echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean-venv:
 	rm -rf $(VENV) .cache
@@ -86,6 +88,14 @@ $(UPSTREAM_PLANNER_STAMP): $(UPSTREAM_PLANNER_REQS)
 	@site=$$($(UPSTREAM_PLANNER_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 		printf '%s\n' "$(abspath $(UPSTREAM_PLANNER_WHEEL))" "$(abspath benchmarks/upstream_planner/standins)" \
 			> "$$site/upstream-dynamo-1.6.1.pth" && echo ">> wrote $$site/upstream-dynamo-1.6.1.pth"
-	$(UPSTREAM_PLANNER_VENV)/bin/python -I -c 'import dynamo._core, dynamo.replay.planner, dynamo.planner.offline.replay_adapter'
+	$(UPSTREAM_PLANNER_VENV)/bin/python -I -c 'import dynamo._core, dynamo.replay.planner, dynamo.planner.offline.replay_adapter, dynamo.planner.core.adapters'
 	@rm -f $(UPSTREAM_PLANNER_VENV)/.installed-*
 	@touch $@
+
+# Upstream 1.6.1's own planner, live (`python -m dynamo.planner` from the isolated venv above, virtual
+# connector, load-based scaling) on our workers' FPM records, per event plane: does it scale the right pool?
+# (docs/from-upstream.md#upstreams-own-planner-on-our-workers-live). 7-9 min on 2 cores.
+UPLIVE_ARGS ?=
+.PHONY: bench-upstream-live
+bench-upstream-live: setup upstream-planner-env
+	$(PY) benchmarks/bench_upstream_planner_live.py $(UPLIVE_ARGS)
