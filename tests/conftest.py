@@ -23,11 +23,11 @@ os.environ.setdefault("DYN_TCP_RPC_HOST", "127.0.0.1")
 os.environ.setdefault("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
 os.environ.setdefault("DYN_EVENT_PLANE_HOST", "127.0.0.1")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM_DIR = REPO_ROOT / ".cache" / "upstream" / "ai-dynamo-1.6.1"
+from dynamo.common.nats_server import EmbeddedNatsServer
+from dynamo_fpm_testing import REPO
+from dynamo_fpm_testing.stall_meter import MACHINE
 
-from dynamo.common.nats_server import EmbeddedNatsServer  # noqa: E402
-from stall_meter import MACHINE  # noqa: E402
+UPSTREAM_DIR = REPO / ".cache" / "upstream" / "ai-dynamo-1.6.1"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,6 +36,20 @@ def machine_stall_meter() -> Iterator[None]:
     MACHINE.start()
     yield
     MACHINE.stop()
+
+
+# Each folder of tests/ is a kind of test and a marker of the same name (registered in pyproject.toml,
+# docs/testing.md): `pytest -m unit` runs the folder's tests wherever they are named on the command line.
+FOLDER_MARKERS = ("unit", "integration", "e2e", "compat")
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its folder's kind, so the marker can never disagree with where the test is."""
+    for item in items:
+        kind = item.path.resolve().relative_to(TESTS_DIR).parts[0]
+        if kind in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, kind))
 
 
 # (nodeid, start, end) in time.monotonic() seconds, setup and teardown included: where each stall happened.
