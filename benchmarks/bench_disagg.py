@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
 
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
 
     sizes = {"short": args.short, "long": args.long}
     report: dict[str, Any] = {

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 2 or args.requests < 1 or args.max_tokens < 1 or args.prompt_tokens < 1:
         ap.error("--rounds must be >= 2, --requests, --max-tokens and --prompt-tokens >= 1")
 
-    from dynamo.common.nats_server import EmbeddedNatsServer
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

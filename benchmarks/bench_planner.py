@@ -120,9 +120,9 @@ def bench_decide(repeat: int) -> list[dict[str, Any]]:
 async def bench_latency(samples: int) -> dict[str, Any]:
     from dynamo.common.fpm_publisher import FpmDirectPublisher
     from dynamo.common.fpm_tracker import FpmTracker
-    from dynamo.common.nats_server import EmbeddedNatsServer
     from dynamo.planner.connector_base import DryRunConnector
     from dynamo.planner.loop import Planner
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
     with EmbeddedNatsServer() as nats:
         cfg = config_from_mapping(

@@ -50,7 +50,7 @@ def build(cls: type, model_dir: Path, queued: int, *, remote: bool = False) -> A
         max_num_batched_tokens=4096,
         max_model_len=4096,
         kv_connector="AsyncLoadTestConnector" if remote else None,
-        kv_connector_module_path="dynamo.vllm.test_connectors" if remote else None,
+        kv_connector_module_path="dynamo_fpm_testing.kv_connectors" if remote else None,
     )
     sched = make_scheduler(cls, spec)
     if remote:  # park them first (a parked request holds KV blocks but no run slot)
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object per depth")
     args = parser.parse_args(argv)
 
-    from dynamo.common.nats_server import EmbeddedNatsServer
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
     from dynamo_fpm_testing.scheduler_support import write_model_config
 
     global CLOCK

@@ -33,8 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.worker_support import base_env, model_ready, start_frontend, start_worker, wait_until
 
 MODEL = "tiny"
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1 or args.gen_tokens < 2:
         parser.error("--requests must be >= 1 and --gen-tokens >= 2")
 
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
 
     pair = {
         "prefill": ["--disaggregation-mode", "prefill", "--kv-transfer-config", json.dumps(KV)],

@@ -23,8 +23,8 @@ os.environ.setdefault("DYN_TCP_RPC_HOST", "127.0.0.1")
 os.environ.setdefault("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
 os.environ.setdefault("DYN_EVENT_PLANE_HOST", "127.0.0.1")
 
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing import REPO
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.stall_meter import MACHINE
 
 UPSTREAM_DIR = REPO / ".cache" / "upstream" / "ai-dynamo-1.6.1"
@@ -100,7 +100,7 @@ def fresh_nats_server() -> Iterator[EmbeddedNatsServer]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama model and tokenizer, built on the spot (about 4 s)."""
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -138,7 +138,7 @@ def nats_argv(cfg: DemoConfig, binary: str) -> list[str]:
 
 
 def model_argv(cfg: DemoConfig) -> list[str]:
-    return [cfg.python, "-m", "dynamo.vllm.tiny_model", str(cfg.model_dir)]
+    return [cfg.python, "-m", "dynamo_fpm_testing.tiny_model", str(cfg.model_dir)]
 
 
 def frontend_argv(cfg: DemoConfig) -> list[str]:

@@ -31,10 +31,10 @@ from dynamo.common.forward_pass_metrics import (
     decode,
 )
 from dynamo.common.fpm_tracker import FpmTracker
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing import REPO
 from dynamo_fpm_testing.fpm_plane_peer import BAD_DP_RANK, SEEDS, runtime_fields
 from dynamo_fpm_testing.fpm_support import RuntimeReceiver, full_record, wait_until
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
 pytestmark = pytest.mark.runtime
 PEER_TIMEOUT_S = 60.0

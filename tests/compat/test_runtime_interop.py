@@ -21,8 +21,8 @@ import pytest
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode, is_heartbeat
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 from dynamo.common.fpm_tracker import FpmTracker, WorkerKey
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.fpm_support import full_record, wait_until
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
 pytestmark = pytest.mark.runtime
 NS = "interop"

@@ -19,8 +19,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 pytest.importorskip("dynamo.llm")
 
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.stall_meter import running_s
 from dynamo_fpm_testing.worker_support import (
     Proc,

@@ -32,7 +32,6 @@ pytest.importorskip("nixl")
 import nats
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode
 from dynamo.common.fpm_subjects import DECODE_COMPONENT, decode_envelope, fpm_subject
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
 from dynamo_fpm_testing.disagg_support import (
     KV_LEASE_S,
@@ -42,6 +41,7 @@ from dynamo_fpm_testing.disagg_support import (
     start_engines,
     wait_for_state,
 )
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.stall_meter import running_s
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

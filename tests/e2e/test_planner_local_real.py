@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
 from dynamo.planner.connector_local import LocalConnector
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.worker_support import (
     ENGINE_FLAGS,
     base_env,

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
 from dynamo_fpm_testing.disagg_support import process_cpu_seconds
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.stall_meter import Deadline, running_s
 from dynamo_fpm_testing.worker_support import (
     RESTORED_MARK,

@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 import pytest
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
 from dynamo_fpm_testing.metrics_docs import missing
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.worker_support import (
     Proc,
     base_env,

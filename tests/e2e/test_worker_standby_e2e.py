@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from dynamo.common import worker_state as ws
 from dynamo.common.fpm_tracker import FpmTracker
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.worker_support import (
     base_env,
     complete,

@@ -19,8 +19,8 @@ ENTRY_POINTS = [
     ["-m", "dynamo.planner"],
     ["-m", "dynamo.frontend"],
     ["-m", "dynamo.common.recv_forward_pass_metrics"],
-    ["-m", "dynamo.common.nats_server"],
-    ["-m", "dynamo.vllm.tiny_model"],
+    ["-m", "dynamo_fpm_testing.nats_server"],
+    ["-m", "dynamo_fpm_testing.tiny_model"],
     [str(REPO / "launch" / "demo.py")],
 ]
 # The runtime's line: ISO-8601 UTC time stamp, level, target, message (colour codes stripped).

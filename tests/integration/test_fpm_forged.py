@@ -26,7 +26,6 @@ from dynamo.common.fpm_publisher import FpmDirectPublisher
 from dynamo.common.fpm_subjects import FPM_TOPIC, EventEnvelope, encode_envelope, fpm_subject
 from dynamo.common.fpm_tracker import FpmTracker
 from dynamo.common.fpm_validate import record_problem, subject_problem
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.planner.config import config_from_mapping
 from dynamo.planner.connector_base import DryRunConnector
 from dynamo.planner.decision_log import MAX_LINE_CHARS, DecisionLog, bounded_line
@@ -34,6 +33,7 @@ from dynamo.planner.loop import Planner
 from dynamo.planner.observations import NOT_IN_DISCOVERY, WorkerBook
 from dynamo_fpm_testing import REPO
 from dynamo_fpm_testing.fpm_support import CustomNatsServer, wait_until
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.planner_support import rec, serve_with_card
 from msgspec.structs import replace
 

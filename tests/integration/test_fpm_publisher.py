@@ -26,7 +26,6 @@ from dynamo.common.nats_options import (
     nats_url_from_env,
     redact_url,
 )
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
 from dynamo_fpm_testing.fpm_support import (
     Collector,
@@ -35,6 +34,7 @@ from dynamo_fpm_testing.fpm_support import (
     self_signed_cert,
     wait_until,
 )
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
 NS = "pubtest"
 

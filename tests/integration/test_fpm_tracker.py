@@ -10,8 +10,8 @@ from dynamo.common.forward_pass_metrics import ForwardPassMetrics, encode
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 from dynamo.common.fpm_subjects import FPM_TOPIC, EventEnvelope, encode_envelope, fpm_subject
 from dynamo.common.fpm_tracker import FpmTracker, TrackedWorker, WorkerKey, record_to_dict
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.fpm_support import full_record, wait_until
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -18,7 +18,6 @@ import pytest
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 from dynamo.common.fpm_subjects import fpm_subject
 from dynamo.common.fpm_tracker import FpmTracker
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.rate_limited_log import RateLimitedWarning
 from dynamo.planner.config import config_from_mapping
 from dynamo.planner.connector_base import DryRunConnector
@@ -26,6 +25,7 @@ from dynamo.planner.loop import Planner
 from dynamo.planner.metrics import PlannerMetrics
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo_fpm_testing.fpm_support import full_record, wait_until
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
 NS = "outage"
 

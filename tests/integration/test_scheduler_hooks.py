@@ -27,7 +27,7 @@ from dynamo_fpm_testing.scheduler_support import (
 
 TEST_CONNECTOR: dict[str, Any] = {
     "kv_connector": "AsyncLoadTestConnector",
-    "kv_connector_module_path": "dynamo.vllm.test_connectors",
+    "kv_connector_module_path": "dynamo_fpm_testing.kv_connectors",
 }
 
 

@@ -80,7 +80,7 @@ def test_decode_side_waiting_for_remote_kv_is_reported_within_a_second_and_stays
 ) -> None:
     make, sub = wired
     sched = make(
-        kv_connector="AsyncLoadTestConnector", kv_connector_module_path="dynamo.vllm.test_connectors"
+        kv_connector="AsyncLoadTestConnector", kv_connector_module_path="dynamo_fpm_testing.kv_connectors"
     )
     # Idle engine first: heartbeats only (identity, all zero).
     assert sub.wait_for(lambda r: r.wall_time == 0.0, timeout=3.0) is not None

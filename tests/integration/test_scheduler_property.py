@@ -228,7 +228,7 @@ def test_incremental_queue_equals_full_scan_after_every_step(
                 max_num_batched_tokens=max(budget, max_num_seqs),
                 max_model_len=512,
                 kv_connector="AsyncLoadTestConnector",
-                kv_connector_module_path="dynamo.vllm.test_connectors",
+                kv_connector_module_path="dynamo_fpm_testing.kv_connectors",
             ),
         )
     try:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.vllm
 
 TEST_CONNECTOR: dict[str, Any] = {
     "kv_connector": "AsyncLoadTestConnector",
-    "kv_connector_module_path": "dynamo.vllm.test_connectors",
+    "kv_connector_module_path": "dynamo_fpm_testing.kv_connectors",
 }
 
 

@@ -17,10 +17,10 @@ from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode, encod
 from dynamo.common.fpm_publisher import FpmDirectPublisher
 from dynamo.common.fpm_subjects import fpm_subject
 from dynamo.common.fpm_tracker import TrackedWorker, WorkerKey
-from dynamo.common.nats_server import EmbeddedNatsServer
 from dynamo.common.ports import free_port
 from dynamo.common.recv_forward_pass_metrics import table
 from dynamo_fpm_testing.fpm_support import full_record
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
 NS = "watch"
 MODULE = "dynamo.common.recv_forward_pass_metrics"

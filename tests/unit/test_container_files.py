@@ -99,7 +99,7 @@ def test_cpu_compose_uses_the_cpu_transfer_layer_and_the_tiny_model() -> None:
         assert cmd[cmd.index("--model") + 1] == "/models/tiny"
         assert services[name]["depends_on"]["model"]["condition"] == "service_completed_successfully"
         assert "deploy" not in services[name]
-    assert services["model"]["command"][:3] == ["python", "-m", "dynamo.vllm.tiny_model"]
+    assert services["model"]["command"][:3] == ["python", "-m", "dynamo_fpm_testing.tiny_model"]
 
 
 # ---- Dependencies: ranges in pyproject, exact pins in constraints.txt, images install both ----------

@@ -121,8 +121,8 @@ ENTRY_POINTS = (
     "dynamo.frontend",
     "dynamo.vllm",
     "dynamo.planner",
-    "dynamo.vllm.tiny_model",
-    "dynamo.common.nats_server",
+    "dynamo_fpm_testing.tiny_model",
+    "dynamo_fpm_testing.nats_server",
     "dynamo.common.recv_forward_pass_metrics",
 )
 

@@ -109,8 +109,9 @@ class CustomNatsServer:
     """A nats-server with extra flags (auth, TLS) on a free loopback port; a context manager."""
 
     def __init__(self, *flags: str) -> None:
-        from dynamo.common.nats_server import find_nats_server
         from dynamo.common.ports import free_port
+
+        from dynamo_fpm_testing.nats_server import find_nats_server
 
         self.port = free_port()
         self.cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), *flags]

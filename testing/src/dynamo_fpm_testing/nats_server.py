@@ -3,7 +3,7 @@
 Used by the tests and the demo so that nothing needs a NATS server installed by hand.
 It can be stopped and started again on the same port, to test reconnects.
 
-    python -m dynamo.common.nats_server [--port N] [--jetstream]   # runs until Ctrl-C
+    python -m dynamo_fpm_testing.nats_server [--port N] [--jetstream]   # runs until Ctrl-C
 """
 
 from __future__ import annotations
@@ -124,14 +124,14 @@ class EmbeddedNatsServer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo.common.nats_server", description=__doc__.split("\n")[0]
+        prog="python -m dynamo_fpm_testing.nats_server", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--port", type=int, default=4222, help="port to listen on (default 4222; 0 = any free port)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--jetstream", action="store_true", help="enable JetStream (temporary store folder)")
-    add_version_flag(parser, "dynamo.common.nats_server")
+    add_version_flag(parser, "dynamo_fpm_testing.nats_server")
     args = parser.parse_args(argv)
     server = EmbeddedNatsServer(port=args.port or None, host=args.host, jetstream=args.jetstream).start()
     print(f"NATS_SERVER={server.url}", flush=True)

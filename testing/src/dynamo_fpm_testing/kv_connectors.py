@@ -1,7 +1,7 @@
 """A minimal asynchronous KV connector for tests: parks requests in ``WAITING_FOR_REMOTE_KVS``.
 
 Load it with ``KVTransferConfig(kv_connector="AsyncLoadTestConnector",
-kv_connector_module_path="dynamo.vllm.test_connectors", kv_role="kv_consumer")``.
+kv_connector_module_path="dynamo_fpm_testing.kv_connectors", kv_role="kv_consumer")``.
 
 Scheduler side: a request whose ``kv_transfer_params`` carry ``do_remote_prefill`` gets its whole prompt
 but one token "loaded" asynchronously, exactly how a disaggregated decode engine parks requests while

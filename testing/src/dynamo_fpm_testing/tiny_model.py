@@ -4,7 +4,7 @@ About 200k parameters (under 1 MB), random but seeded weights, a word-level toke
 vocabulary and a chat template (Dynamo's frontend refuses Chat registrations without one).
 Greedy output is deterministic for a given seed, which is what equality tests need.
 
-    python -m dynamo.vllm.tiny_model OUT_DIR [--seed N]
+    python -m dynamo_fpm_testing.tiny_model OUT_DIR [--seed N]
 """
 
 from __future__ import annotations
@@ -166,11 +166,11 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dynamo.vllm.tiny_model", description=__doc__.split("\n")[0]
+        prog="python -m dynamo_fpm_testing.tiny_model", description=__doc__.split("\n")[0]
     )
     parser.add_argument("out_dir", help="folder to write the model into (created; reused if already built)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    add_version_flag(parser, "dynamo.vllm.tiny_model")
+    add_version_flag(parser, "dynamo_fpm_testing.tiny_model")
     args = parser.parse_args(argv)
     path = build_tiny_model(args.out_dir, args.seed)
     print(path)
