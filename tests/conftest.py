@@ -12,20 +12,15 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from dynamo_fpm_testing.local_stack import LOOPBACK_ENV, OFFLINE_ENV
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-# Dynamo runtime: stay on loopback.
-os.environ.setdefault("DYN_TCP_RPC_HOST", "127.0.0.1")
-os.environ.setdefault("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
-os.environ.setdefault("DYN_EVENT_PLANE_HOST", "127.0.0.1")
+# Before anything imports vLLM or the runtime: offline, small KV cache, the runtime on loopback.
+for _name, _value in {**OFFLINE_ENV, **LOOPBACK_ENV}.items():
+    os.environ.setdefault(_name, _value)
 
-from dynamo_fpm_testing import REPO
-from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
-from dynamo_fpm_testing.stall_meter import MACHINE
+from dynamo_fpm_testing import REPO  # noqa: E402
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer  # noqa: E402
+from dynamo_fpm_testing.stall_meter import MACHINE  # noqa: E402
 
 UPSTREAM_DIR = REPO / ".cache" / "upstream" / "ai-dynamo-1.6.1"
 

@@ -24,25 +24,13 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
+from dynamo_fpm_testing.local_stack import kv_transfer_config
 from dynamo_fpm_testing.stall_meter import Deadline
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 KV_LEASE_S = 30
 POLL_EVERY_S = 0.02
-
-
-def kv_transfer_config(role: str, *, use_layer: bool = True, lease_s: int = KV_LEASE_S) -> dict[str, Any]:
-    """The connector config of one engine: vLLM's NixlConnector, CPU KV buffer, optionally our CPU layer."""
-    cfg: dict[str, Any] = {
-        "kv_connector": "NixlConnector",
-        "kv_role": role,
-        "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"kv_lease_duration": lease_s},
-    }
-    if use_layer:
-        cfg["kv_connector_module_path"] = "dynamo.vllm.cpu_host.nixl_connector"
-    return cfg
 
 
 @dataclass
@@ -82,7 +70,7 @@ class EngineProcess:
                         "model": str(spec.model_dir),
                         "kv_transfer_config": None
                         if spec.kv_role is None
-                        else kv_transfer_config(spec.kv_role, use_layer=spec.use_layer, lease_s=spec.lease_s),
+                        else kv_transfer_config(spec.kv_role, lease_s=spec.lease_s, use_layer=spec.use_layer),
                         "scheduler_cls": spec.scheduler_cls,
                         "max_num_seqs": spec.max_num_seqs,
                     }

@@ -23,7 +23,7 @@ from typing import Any
 from dynamo.common.ports import low_free_port  # noqa: F401 - the tests import it from here
 
 from dynamo_fpm_testing import REPO
-from dynamo_fpm_testing.disagg_support import kv_transfer_config
+from dynamo_fpm_testing.local_stack import LOOPBACK_ENV, OFFLINE_ENV, file_discovery_env, kv_transfer_config
 from dynamo_fpm_testing.stall_meter import Deadline
 
 REPO_ROOT = REPO
@@ -47,20 +47,7 @@ def base_env(file_kv: Path, nats_url: str | None = None, **extra: str) -> dict[s
     """Environment for a frontend or worker process: loopback, offline, file discovery in ``file_kv``."""
     env = dict(os.environ)
     env.pop("DYN_SYSTEM_HOST", None)  # the ports' default binding (loopback) unless a test opens them
-    env.update(
-        {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DYN_TCP_RPC_HOST": "127.0.0.1",
-            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-            "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-            "DYN_DISCOVERY_BACKEND": "file",
-            "DYN_FILE_KV": str(file_kv),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    env.update({**OFFLINE_ENV, **LOOPBACK_ENV, **file_discovery_env(file_kv), "PYTHONUNBUFFERED": "1"})
     if nats_url:
         env["NATS_SERVER"] = nats_url
     else:
