@@ -1,7 +1,7 @@
 """The one-command disaggregated demo: ``python launch/demo.py [flags]`` (``make demo``).
 
 The code is ``demo_lib.cli`` (installed with the project; run as a script, Python finds ``demo_lib`` next to
-this file, so there is no sys.path change)."""
+this file: no import-path set-up)."""
 
 from __future__ import annotations
 
