@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/bench_disagg.py [--requests N] [--gen-tokens N] [--short N] [--long N]
                                                 [--without-layer | --no-without-layer] [--json PATH]
 
-Real in-process vLLM engines on the tiny model (tests/disagg_support.py), never more than two alive: a
-prefill engine and a decode engine, both through ``dynamo.vllm.cpu_host.nixl_connector`` (the CPU layer,
-defaults); then, unless ``--no-without-layer``, the decode engine is replaced by one with the layer's three
-switches off (vLLM's connector as it is). Aggregated requests run on the prefill engine by itself and
+Real in-process vLLM engines on the tiny model (``dynamo_fpm_testing.disagg_support``), never more than two
+alive: a prefill engine and a decode engine, both through ``dynamo.vllm.cpu_host.nixl_connector`` (the CPU
+layer, defaults); then, unless ``--no-without-layer``, the decode engine is replaced by one with the layer's
+three switches off (vLLM's connector as it is). Aggregated requests run on the prefill engine by itself and
 alternate with the disaggregated ones, so both see the same machine load and the same engine settings.
 
 For short and long prompts, one request at a time (greedy, fixed length): time to first token (for
@@ -28,17 +28,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from disagg_support import (  # noqa: E402
+from dynamo.common.ports import free_port
+from dynamo_fpm_testing.disagg_support import (
     EngineProcess,
     EngineSpec,
     idle_cpu_cores,
     prompt_ids,
     start_engines,
 )
-from dynamo.common.ports import free_port  # noqa: E402
 
 FIXES_OFF = {
     "DYN_NIXL_CPU_PROGRESS_DELAY_US": "0",
@@ -148,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
 
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
 
     sizes = {"short": args.short, "long": args.long}
     report: dict[str, Any] = {

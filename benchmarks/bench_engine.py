@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.settle_s < 0:
         ap.error("--settle-s must be >= 0")
 
-    from dynamo.common.nats_server import EmbeddedNatsServer
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -138,7 +138,7 @@ async def measure_plane(plane: str, seconds: float, env: dict[str, str]) -> dict
 
 
 async def amain(args: argparse.Namespace) -> int:
-    from dynamo.common.nats_server import EmbeddedNatsServer
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
     results: dict[str, dict[str, list[float]]] = {}
     with EmbeddedNatsServer() as server, tempfile.TemporaryDirectory() as discovery:

@@ -15,14 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -38,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import bench_scheduler
-    from scheduler_support import model_output, write_model_config
+    from dynamo_fpm_testing.scheduler_support import model_output, write_model_config
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,17 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from dynamo.common.forward_pass_metrics import (  # noqa: E402
+from dynamo.common.forward_pass_metrics import (
     ForwardPassMetrics,
     QueuedRequestMetrics,
     ScheduledRequestMetrics,
 )
-from dynamo.planner.config import PlannerConfig, config_from_mapping  # noqa: E402
-from dynamo.planner.observations import WorkerBook  # noqa: E402
-from dynamo.planner.policy import PolicyState, decide  # noqa: E402
+from dynamo.planner.config import PlannerConfig, config_from_mapping
+from dynamo.planner.observations import WorkerBook
+from dynamo.planner.policy import PolicyState, decide
 
 BASE = {
     "capacity": {"context_length": 4096, "kv_tokens": 65536, "max_num_batched_tokens": 2048},
@@ -123,9 +120,9 @@ def bench_decide(repeat: int) -> list[dict[str, Any]]:
 async def bench_latency(samples: int) -> dict[str, Any]:
     from dynamo.common.fpm_publisher import FpmDirectPublisher
     from dynamo.common.fpm_tracker import FpmTracker
-    from dynamo.common.nats_server import EmbeddedNatsServer
     from dynamo.planner.connector_base import DryRunConnector
     from dynamo.planner.loop import Planner
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
     with EmbeddedNatsServer() as nats:
         cfg = config_from_mapping(

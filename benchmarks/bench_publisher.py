@@ -518,7 +518,7 @@ def print_table(ours: Result, rt: Result, overhead_ns: int) -> None:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    from dynamo.common.nats_server import EmbeddedNatsServer
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
     with EmbeddedNatsServer() as server, tempfile.TemporaryDirectory(prefix="bench-fpm-") as workdir:
         os.environ["NATS_SERVER"] = server.url

@@ -17,14 +17,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -39,13 +35,13 @@ def instrumented_cls(publisher: str) -> type:
 
     if publisher == "nats":
         return InstrumentedScheduler
-    from scheduler_support import capturing_scheduler_cls
+    from dynamo_fpm_testing.scheduler_support import capturing_scheduler_cls
 
     return capturing_scheduler_cls()
 
 
 def build(cls: type, model_dir: Path, queued: int, *, remote: bool = False) -> Any:
-    from scheduler_support import SchedSpec, make_request, make_scheduler, step
+    from dynamo_fpm_testing.scheduler_support import SchedSpec, make_request, make_scheduler, step
 
     spec = SchedSpec(
         model_dir,
@@ -54,7 +50,7 @@ def build(cls: type, model_dir: Path, queued: int, *, remote: bool = False) -> A
         max_num_batched_tokens=4096,
         max_model_len=4096,
         kv_connector="AsyncLoadTestConnector" if remote else None,
-        kv_connector_module_path="dynamo.vllm.test_connectors" if remote else None,
+        kv_connector_module_path="dynamo_fpm_testing.kv_connectors" if remote else None,
     )
     sched = make_scheduler(cls, spec)
     if remote:  # park them first (a parked request holds KV blocks but no run slot)
@@ -77,7 +73,7 @@ CLOCK = time.perf_counter
 
 def cycle(sched: Any) -> float:
     """One timed schedule + update (the fake model output is built outside the timed region)."""
-    from scheduler_support import model_output
+    from dynamo_fpm_testing.scheduler_support import model_output
 
     clock = CLOCK
     t0 = clock()
@@ -169,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object per depth")
     args = parser.parse_args(argv)
 
-    from dynamo.common.nats_server import EmbeddedNatsServer
-    from scheduler_support import write_model_config
+    from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+    from dynamo_fpm_testing.scheduler_support import write_model_config
 
     global CLOCK
     CLOCK = time.perf_counter if args.clock == "wall" else time.thread_time

@@ -38,14 +38,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-# The test helpers this benchmark uses, in one place (tests/ is being reorganized: repoint here).
-sys.path.insert(0, str(REPO / "tests"))
-
-from dynamo.common.nats_server import EmbeddedNatsServer  # noqa: E402
-from dynamo.common.ports import free_port  # noqa: E402
-from planner_support import EmbeddedEtcd  # noqa: E402
-from worker_support import (  # noqa: E402
+from dynamo.common.ports import free_port
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+from dynamo_fpm_testing.planner_support import EmbeddedEtcd
+from dynamo_fpm_testing.worker_support import (
     Proc,
     base_env,
     kv_transfer_config_json,
@@ -56,6 +52,7 @@ from worker_support import (  # noqa: E402
     wait_until,
 )
 
+REPO = Path(__file__).resolve().parent.parent
 UPSTREAM_PY = REPO / ".cache" / "upstream-planner" / "venv" / "bin" / "python"
 OBSERVER = REPO / "benchmarks" / "upstream_planner" / "live_observer.py"
 MODEL = "tiny"
@@ -576,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     if (why := upstream_ready()) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
 
     started = time.monotonic()
     rows: list[dict[str, Any]] = []

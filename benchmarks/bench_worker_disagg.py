@@ -27,19 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from dynamo.common.nats_server import EmbeddedNatsServer  # noqa: E402
-from dynamo.common.ports import free_port  # noqa: E402
-from worker_support import base_env, model_ready, start_frontend, start_worker, wait_until  # noqa: E402
+from dynamo.common.ports import free_port
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+from dynamo_fpm_testing.worker_support import base_env, model_ready, start_frontend, start_worker, wait_until
 
 MODEL = "tiny"
 STALL_S = 20.0
@@ -175,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1 or args.gen_tokens < 2:
         parser.error("--requests must be >= 1 and --gen-tokens >= 2")
 
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
 
     pair = {
         "prefill": ["--disaggregation-mode", "prefill", "--kv-transfer-config", json.dumps(KV)],

@@ -66,7 +66,7 @@ start_nats() {
         echo "[launch] using NATS at ${NATS_SERVER}"
         return 0
     fi
-    start nats -- "$PYTHON" -m dynamo.common.nats_server --port "$NATS_PORT" --jetstream
+    start nats -- "$PYTHON" -m dynamo_fpm_testing.nats_server --port "$NATS_PORT" --jetstream
     [[ "$DRY_RUN" == "1" ]] && return 0
     for _ in $(seq 100); do nats_reachable && return 0; sleep 0.1; done
     echo "[launch] nats-server did not start, see ${LOG_DIR}/nats.log" >&2

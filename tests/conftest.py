@@ -12,22 +12,17 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from dynamo_fpm_testing.local_stack import LOOPBACK_ENV, OFFLINE_ENV
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-# Dynamo runtime: stay on loopback.
-os.environ.setdefault("DYN_TCP_RPC_HOST", "127.0.0.1")
-os.environ.setdefault("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
-os.environ.setdefault("DYN_EVENT_PLANE_HOST", "127.0.0.1")
+# Before anything imports vLLM or the runtime: offline, small KV cache, the runtime on loopback.
+for _name, _value in {**OFFLINE_ENV, **LOOPBACK_ENV}.items():
+    os.environ.setdefault(_name, _value)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM_DIR = REPO_ROOT / ".cache" / "upstream" / "ai-dynamo-1.6.1"
+from dynamo_fpm_testing import REPO  # noqa: E402
+from dynamo_fpm_testing.nats_server import EmbeddedNatsServer  # noqa: E402
+from dynamo_fpm_testing.stall_meter import MACHINE  # noqa: E402
 
-from dynamo.common.nats_server import EmbeddedNatsServer  # noqa: E402
-from stall_meter import MACHINE  # noqa: E402
+UPSTREAM_DIR = REPO / ".cache" / "upstream" / "ai-dynamo-1.6.1"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,6 +31,20 @@ def machine_stall_meter() -> Iterator[None]:
     MACHINE.start()
     yield
     MACHINE.stop()
+
+
+# Each folder of tests/ is a kind of test and a marker of the same name (registered in pyproject.toml,
+# docs/testing.md): `pytest -m unit` runs the folder's tests wherever they are named on the command line.
+FOLDER_MARKERS = ("unit", "integration", "e2e", "compat")
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its folder's kind, so the marker can never disagree with where the test is."""
+    for item in items:
+        kind = item.path.resolve().relative_to(TESTS_DIR).parts[0]
+        if kind in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, kind))
 
 
 # (nodeid, start, end) in time.monotonic() seconds, setup and teardown included: where each stall happened.
@@ -86,7 +95,7 @@ def fresh_nats_server() -> Iterator[EmbeddedNatsServer]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama model and tokenizer, built on the spot (about 4 s)."""
-    from dynamo.vllm.tiny_model import build_tiny_model
+    from dynamo_fpm_testing.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -150,7 +150,7 @@ class DemoRun:
 
     def start_stack(self) -> None:
         cfg, env = self.cfg, stack.stack_env(self.cfg)
-        from dynamo.common.nats_server import find_nats_server
+        from dynamo_fpm_testing.nats_server import find_nats_server
 
         self.sup.start("nats", stack.nats_argv(cfg, find_nats_server()), env)
         self._wait_port(cfg.nats_port, "nats", 30)

@@ -13,17 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynamo.vllm.cpu_host import shm_wait
+from dynamo_fpm_testing.local_stack import LOOPBACK_ENV, OFFLINE_ENV, file_discovery_env, kv_transfer_config
 
 from .load import Phase
 
 HERE = Path(__file__).resolve().parent
-# CPU disaggregation: vLLM's NixlConnector through the project's CPU compatibility module.
-CPU_KV_TRANSFER_CONFIG = {
-    "kv_connector": "NixlConnector",
-    "kv_connector_module_path": "dynamo.vllm.cpu_host.nixl_connector",
-    "kv_role": "kv_both",
-    "kv_buffer_device": "cpu",
-}
 
 
 @dataclass(frozen=True)
@@ -107,20 +101,13 @@ def omp_threads_per_engine(cfg: DemoConfig, usable_cores: int | None = None) -> 
 def stack_env(cfg: DemoConfig) -> dict[str, str]:
     """Environment shared by every component: offline, loopback only, file discovery, NATS event plane."""
     env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **OFFLINE_ENV,
         "NATS_SERVER": cfg.nats_url,
         "DYN_NAMESPACE": cfg.namespace,
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(cfg.discovery_dir),
+        **file_discovery_env(cfg.discovery_dir),
         "DYN_EVENT_PLANE": "nats",
         "DYN_REQUEST_PLANE": "tcp",
-        "DYN_TCP_RPC_HOST": "127.0.0.1",
-        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        **LOOPBACK_ENV,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(omp_threads_per_engine(cfg)),
@@ -138,7 +125,7 @@ def nats_argv(cfg: DemoConfig, binary: str) -> list[str]:
 
 
 def model_argv(cfg: DemoConfig) -> list[str]:
-    return [cfg.python, "-m", "dynamo.vllm.tiny_model", str(cfg.model_dir)]
+    return [cfg.python, "-m", "dynamo_fpm_testing.tiny_model", str(cfg.model_dir)]
 
 
 def frontend_argv(cfg: DemoConfig) -> list[str]:
@@ -177,7 +164,8 @@ def worker_argv(cfg: DemoConfig, mode: str) -> list[str]:
     if mode != "prefill":
         argv += ["--max-num-seqs", str(cfg.decode_max_num_seqs)]
     if mode != "agg":
-        kv = {**CPU_KV_TRANSFER_CONFIG, "kv_connector_extra_config": {"kv_lease_duration": cfg.kv_lease_s}}
+        # CPU disaggregation: vLLM's NixlConnector through the project's CPU compatibility layer.
+        kv = kv_transfer_config("kv_both", lease_s=cfg.kv_lease_s)
         argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     return argv
 

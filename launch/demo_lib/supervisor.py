@@ -17,6 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from dynamo.common.process_group import (
+    kill_group,
+    signal_group,
+    signal_process,
+    start_in_own_session,
+    terminate_group,
+)
 
 RUN_MARKER = "DEMO_RUN_ID"
 
@@ -127,16 +134,6 @@ def _start_time(pid: int) -> float | None:
         return None
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
-def _signal_pid(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
 @dataclass
 class Supervisor:
     """Owns every process of one demo run. Use as a context manager so cleanup always runs."""
@@ -176,14 +173,8 @@ class Supervisor:
         try:
             log.write(f"# {' '.join(argv)}\n".encode())
             log.flush()
-            proc = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=log,
-                env=self.env(env),
-                cwd=cwd,
-                start_new_session=True,
+            proc = start_in_own_session(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=log, env=self.env(env), cwd=cwd
             )
         finally:
             log.close()
@@ -207,15 +198,7 @@ class Supervisor:
     def stop(self, managed: Managed, timeout: float = 20.0) -> int | None:
         """SIGTERM to the process group (workers drain), SIGKILL after ``timeout``."""
         managed.stopping = True
-        if managed.exited() is None:
-            _signal_group(managed.pid, signal.SIGTERM)
-            try:
-                managed.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(managed.pid, signal.SIGKILL)
-                managed.proc.wait(5)
-        _signal_group(managed.pid, signal.SIGKILL)  # stragglers of its group
-        return managed.proc.returncode
+        return terminate_group(managed.proc, timeout)
 
     def stop_all(self, timeout: float = 20.0) -> list[str]:
         """Stop everything in reverse start order, then kill any process still carrying the run marker.
@@ -229,13 +212,13 @@ class Supervisor:
         members = {pid: _start_time(pid) for pid in pids_with_marker(self.run_id)}
         pending = [m for m in reversed(self.procs) if m.exited() is None]
         for m in pending:
-            _signal_group(m.pid, signal.SIGTERM)
+            signal_group(m.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for m in pending:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 m.proc.wait(max(0.1, deadline - time.monotonic()))
         for m in self.procs:
-            _signal_group(m.pid, signal.SIGKILL)
+            kill_group(m.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 m.proc.wait(5)
         return self.kill_marked(grace=5.0, members=members)
@@ -258,12 +241,12 @@ class Supervisor:
         stragglers = self._left(members)
         found = [f"{p} {_cmdline(p)}" for p in stragglers]
         for pid in stragglers:
-            _signal_pid(pid, signal.SIGTERM)
+            signal_process(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self._left(members):
             time.sleep(0.2)
         for pid in self._left(members):
-            _signal_pid(pid, signal.SIGKILL)
+            signal_process(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5.0  # SIGKILL is asynchronous: wait until they are gone
         while time.monotonic() < deadline and self._left(members):
             time.sleep(0.05)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from dynamo.common import process_group
 from dynamo.common import worker_state as ws
 from dynamo.common.ports import stable_free_port
 
@@ -453,13 +454,8 @@ class LocalConnector:
             env[ws.ENV_STANDBY] = "1"
         else:
             env.pop(ws.ENV_STANDBY, None)
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
+        proc = process_group.start_in_own_session(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
         wp = WorkerProcess(
             pool,

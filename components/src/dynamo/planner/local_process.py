@@ -13,6 +13,7 @@ import signal
 import subprocess
 
 import psutil
+from dynamo.common import process_group
 
 # Two readings of one process's start time agree to psutil's clock-tick resolution.
 START_TIME_TOLERANCE_S = 0.05
@@ -98,16 +99,11 @@ class ProcessHandle:
                 if os.getpgid(self.pid) != self.pid:  # not a group leader: the worker alone
                     os.kill(self.pid, signal.SIGKILL)
                     return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+        process_group.kill_group(self.pid)
 
     def group_alive(self) -> bool:
         """Whether any process of the worker's group is left (signal 0 probes without harm)."""
-        try:
-            os.killpg(self.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
+        return process_group.group_alive(self.pid)
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the process to end; True if it did."""

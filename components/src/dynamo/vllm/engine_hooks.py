@@ -24,6 +24,7 @@ import signal
 import sys
 from collections.abc import Mapping
 
+import psutil
 from dynamo.vllm.cpu_host.logprob_ranks import eager_logprob_ranks
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,13 @@ def is_engine_process(environ: Mapping[str, str], pid: int) -> bool:
 
 def _parent_of(pid: int) -> int | None:
     try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
 
 
 def below(pid: int, owner: int) -> bool:
-    """Whether ``pid`` is ``owner`` or one of its descendants (read from /proc)."""
+    """Whether ``pid`` is ``owner`` or one of its descendants (parents read with psutil)."""
     seen = 0
     current: int | None = pid
     while current is not None and current > 1 and seen < 64:

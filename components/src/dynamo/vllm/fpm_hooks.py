@@ -10,7 +10,8 @@ built, and degrades right away (and says so once) instead of publishing wrong fi
 - ``PREEMPTION`` missing: the scheduled side's all-decode fast path is turned off (per-request rules only);
 - ``KV_ARRIVAL``, ``IDLE`` or ``SHUTDOWN`` missing: kept running, with a warning naming what is lost.
 
-``tests/test_scheduler_hooks.py`` checks that this table lists every vLLM method the mixin overrides.
+``tests/integration/test_scheduler_hooks.py`` checks that this table lists every vLLM method the mixin
+overrides.
 """
 
 from __future__ import annotations

@@ -1,0 +1,686 @@
+"""The pure policy on a table of scenarios, plus a simulated cluster for the multi-step guardrails."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from dynamo.planner.config import ConfigError, PlannerConfig, config_from_mapping
+from dynamo.planner.observations import WorkerBook
+from dynamo.planner.policy import Decision, PolicyState, decide
+from dynamo_fpm_testing.planner_support import CAP, KV, config, heartbeat, obs, pool, rec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# --------------------------------------------------------------------------------------------------
+# Single decisions.
+
+
+def test_decode_backlog_waiting_for_remote_kv_scales_decode_not_prefill() -> None:
+    """THE scenario: a disaggregated decode pool whose backlog sits in requests waiting for remote KV."""
+    cfg = config()
+    prefill = [rec("p0", s_prefill=1, s_prefill_tokens=200, q_prefill=1, q_prefill_tokens=300)]
+    # Upstream-style records (no transfer/ready split): 9,000 KV tokens waiting for remote KV.
+    decode = [rec("d0", s_decode=4, s_decode_kv=2500, q_decode=30, q_decode_kv=9000)]
+    d, _ = decide(obs(100.0, prefill, decode), PolicyState(), cfg)
+    assert (d.decode.action, d.decode.desired) == ("scale_up", 2), d.decode.reason
+    assert d.prefill.action == "hold" and d.prefill.desired == d.prefill.current == 1, d.prefill.reason
+
+
+def test_decode_backlog_ready_for_a_slot_scales_decode() -> None:
+    cfg = config()
+    decode = [
+        rec(
+            "d0",
+            s_decode=4,
+            s_decode_kv=6000,
+            q_decode=20,
+            q_decode_kv=6000,
+            transfer=(0, 0),
+            ready=(20, 6000),
+        )
+    ]
+    d, _ = decide(obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], decode), PolicyState(), cfg)
+    assert d.decode.action == "scale_up"
+    assert d.prefill.action == "hold"
+
+
+def test_slow_transfer_does_not_read_as_missing_decode_capacity() -> None:
+    cfg = config()
+    # Everything queued is still in transfer; nothing waits for a slot; the engine holds 30% of its KV.
+    decode = [
+        rec(
+            "d0",
+            s_decode=4,
+            s_decode_kv=3000,
+            q_decode=30,
+            q_decode_kv=9000,
+            transfer=(30, 9000),
+            ready=(0, 0),
+        )
+    ]
+    d, _ = decide(obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], decode), PolicyState(), cfg)
+    assert d.decode.action == "hold", d.decode.reason
+    assert d.decode.signals.transfer_bound_engines == 1
+    assert d.prefill.action == "hold"
+    # Same backlog but one request already waits for a slot: decode really is short.
+    decode = [
+        rec(
+            "d0",
+            s_decode=4,
+            s_decode_kv=3000,
+            q_decode=31,
+            q_decode_kv=9100,
+            transfer=(30, 9000),
+            ready=(1, 100),
+        )
+    ]
+    d, _ = decide(obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], decode), PolicyState(), cfg)
+    assert d.decode.action == "scale_up"
+
+
+def test_decode_slots_full_scales_decode_even_with_little_kv() -> None:
+    """Many short requests: KV is nearly free, but every running slot (max_num_seqs) is taken."""
+    cfg = config()
+    slots = type(CAP)(context_length=1000, kv_tokens=10_000, max_num_seqs=16, source="card")
+    full = rec(
+        "d0", s_decode=16, s_decode_kv=900, q_decode=4, q_decode_kv=200, transfer=(0, 0), ready=(4, 200)
+    )
+    o = obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], [])
+    o = type(o)(0.0, o.prefill, pool("decode", [full], capacity=slots))
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "scale_up" and "load 1.25 over 1" in d.decode.reason
+    assert d.decode.signals.slot_load_max == 1.25
+    # The same short requests still in transfer, with free slots: transfer-bound, not a slot shortage.
+    moving = rec(
+        "d0", s_decode=10, s_decode_kv=500, q_decode=10, q_decode_kv=500, transfer=(10, 500), ready=(0, 0)
+    )
+    o = type(o)(0.0, o.prefill, pool("decode", [moving], capacity=slots))
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "hold" and d.decode.signals.transfer_bound_engines == 1
+
+
+def test_prefill_backlog_scales_prefill_not_decode() -> None:
+    cfg = config()
+    # 8 queued 1k prompts: 0.31 s of work at the 25.6k tokens/s this engine's pass shows, over half
+    # the 500 ms TTFT target, so the queue is late (a queue of a few ms of work is not).
+    prefill = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=8000)]
+    decode = [rec("d0", s_decode=4, s_decode_kv=3000)]
+    d, _ = decide(obs(0.0, prefill, decode), PolicyState(), cfg)
+    assert d.prefill.action == "scale_up" and d.prefill.desired == 2, d.prefill.reason
+    assert d.prefill.signals.queue_wait_s == pytest.approx(8000 / 25_600, abs=1e-3)
+    short = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=2, q_prefill_tokens=1500)]
+    d, _ = decide(obs(0.0, short, decode), PolicyState(), cfg)
+    assert d.prefill.action == "hold", d.prefill.reason
+    assert d.decode.action == "hold"
+
+
+def test_capacity_unknown_holds_with_reason() -> None:
+    cfg = config(capacity={})
+    unknown = pool("decode", [rec("d0", s_decode=4, s_decode_kv=3000)], capacity=type(CAP)())
+    o = obs(0.0, [rec("p0", q_prefill=1, q_prefill_tokens=10)], [])
+    o = type(o)(
+        o.now, pool("prefill", [rec("p0", q_prefill=1, q_prefill_tokens=10)], capacity=type(CAP)()), unknown
+    )
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "hold" and "capacity unknown (kv_tokens)" in d.decode.reason
+    assert "capacity unknown (context_length)" in d.prefill.reason
+
+
+def test_replicas_not_publishing_hold_then_count_against_scale_down() -> None:
+    cfg = config()
+    low = [rec("d0", s_decode=1, s_decode_kv=100)]
+    state = PolicyState()
+    d, state = decide(obs(0.0, [heartbeat("p0")], low, decode_replicas=2), state, cfg)
+    assert d.decode.action == "hold" and "2 replicas but 1 workers publishing" in d.decode.reason
+    # After the grace: decides, but the silent replica counts as busy, so no scale-down ever.
+    for t in range(10, 100, 5):
+        d, state = decide(obs(float(t), [heartbeat("p0")], low, decode_replicas=2), state, cfg)
+        assert d.decode.action == "hold", d.decode.reason
+    assert "1 silent engines counted at 1" in d.decode.reason
+    # A scale-up is still allowed on what the present workers say.
+    high = [rec("d0", s_decode=10, s_decode_kv=12000)]
+    d, state = decide(obs(105.0, [heartbeat("p0")], high, decode_replicas=2), state, cfg)
+    assert d.decode.action == "scale_up" and d.decode.desired >= 3  # proportional: may add several
+
+
+def test_silence_from_every_replica_is_not_idleness() -> None:
+    """All workers silent (NATS down, tracker cut off): hold, never "traffic stopped -> minimum"."""
+    cfg = config()
+    state = PolicyState()
+    for t in range(0, 120, 5):
+        d, state = decide(obs(float(t), [], [], prefill_replicas=3, decode_replicas=3), state, cfg)
+        assert d.prefill.action == d.decode.action == "hold", (d.prefill.reason, d.decode.reason)
+    assert "3 of 3 replicas not publishing" in d.decode.reason
+
+
+def test_above_maximum_steps_down() -> None:
+    decode = [rec(f"d{i}", s_decode=8, s_decode_kv=12000) for i in range(6)]  # overloaded, but over max 4
+    d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), config())
+    assert (d.decode.action, d.decode.desired) == (
+        "scale_down",
+        5,
+    ) and "above max_replicas 4" in d.decode.reason
+
+
+def test_below_minimum_steps_up() -> None:
+    d, _ = decide(obs(0.0, [], [heartbeat("d0")], prefill_replicas=0), PolicyState(), config())
+    assert (d.prefill.action, d.prefill.desired) == ("scale_up", 1)
+    assert "below min_replicas 1" in d.prefill.reason
+
+
+def test_consolidation_removes_all_ranks_of_a_worker() -> None:
+    """Two workers with two dp ranks each: removing a worker removes two engines."""
+    cfg = config(scale_down_window_s=0.0)
+    # Four engines at 0.35: spread over the two engines left after removing a worker -> 0.7 < 0.8.
+    low = [rec(f"d{w}", dp_rank=r, s_decode=1, s_decode_kv=3500) for w in range(2) for r in range(2)]
+    d, _ = decide(obs(0.0, [heartbeat("p0")], low), PolicyState(), cfg)
+    assert d.decode.action == "scale_down" and "on 2 engines 0.70" in d.decode.reason
+    # At 0.45 each, two engines would carry 0.9 >= 0.8: stay (with 3 engines it would wrongly look fine).
+    mid = [rec(f"d{w}", dp_rank=r, s_decode=1, s_decode_kv=4500) for w in range(2) for r in range(2)]
+    d, _ = decide(obs(0.0, [heartbeat("p0")], mid), PolicyState(), cfg)
+    assert d.decode.action == "hold" and "would be 0.90" in d.decode.reason
+
+
+def test_malformed_records_are_rejected_and_reported() -> None:
+    cfg = config()
+    book = WorkerBook(cfg)
+    assert book.ingest("decode", rec(""), 0.0) == "rejected: empty worker_id"
+    assert book.ingest("decode", rec("d0", q_decode_kv=-5), 0.0).startswith("rejected: negative")
+    assert book.ingest("decode", rec("d0", wall=float("nan")), 0.0).startswith("rejected: wall_time")
+    bad_split = rec("d0", q_decode=1, q_decode_kv=10, transfer=(1, 5), ready=(1, 5))
+    assert book.ingest("decode", bad_split, 0.0).startswith("rejected: decode transfer + ready")
+    assert book.ingest("decode", rec("d0", s_decode=1, s_decode_kv=100), 0.0) == "accepted"
+    o = book.observe(0.5)
+    assert o.decode.rejected == 4 and o.decode.workers == 1
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.signals.rejected_records == 4
+    assert book.observe(0.6).decode.rejected == 0  # counted once
+
+
+def test_stale_worker_is_dropped_and_restart_recognised() -> None:
+    cfg = config(stale_after_s=5.0, warmup_s=1.0, warmup_records=2)
+    book = WorkerBook(cfg)
+    for i in range(1, 6):
+        book.ingest("decode", rec("d0", counter=i, s_decode=2, s_decode_kv=100 * i), float(i))
+    assert book.observe(5.5).decode.engines[0].warm
+    assert book.ingest("decode", rec("d0", counter=1, s_decode=2, s_decode_kv=50), 6.0) == "restart"
+    eng = book.observe(6.1).decode.engines[0]
+    assert not eng.warm and book.stats.restarts == 1
+    assert book.observe(11.5).decode.workers == 0  # silent for more than stale_after_s
+    assert book.stats.dropped_stale == 1
+
+
+def test_heartbeats_and_queue_snapshots_are_not_timing_samples_and_cold_workers_do_not_train() -> None:
+    cfg = config(warmup_s=10.0, warmup_records=3)
+    book = WorkerBook(cfg)
+    # Cold-start records of a fresh worker (slow first passes) must not reach the model.
+    for i in range(1, 4):
+        assert (
+            book.ingest("decode", rec("d0", counter=i, wall=5.0, s_decode=1, s_decode_kv=10), float(i))
+            == "accepted"
+        )
+    assert len(book.models.decode) == 0
+    assert book.ingest("decode", heartbeat("d0", 4), 12.0) == "heartbeat"
+    snapshot = rec("d0", counter=5, wall=0.0, q_decode=3, q_decode_kv=300)
+    assert book.ingest("decode", snapshot, 12.5) == "snapshot"
+    assert len(book.models.decode) == 0
+    book.ingest("decode", rec("d0", counter=6, wall=0.02, s_decode=1, s_decode_kv=10), 13.0)
+    assert len(book.models.decode) == 1
+
+
+def test_capacity_from_model_card_wins_over_config() -> None:
+    cfg = config(capacity={"context_length": 100, "kv_tokens": 100, "max_num_seqs": 8})
+    book = WorkerBook(cfg)
+    book.set_card_capacity("decode", "d0", type(CAP)(context_length=4096, kv_tokens=65536, source="card"))
+    c = book.capacity_for("decode", "d0")
+    assert (c.kv_tokens, c.context_length, c.max_num_seqs, c.source) == (65536, 4096, 8, "card")
+    assert book.capacity_for("decode", "d1").kv_tokens == 100
+
+
+def test_sla_target_uses_online_regression() -> None:
+    cfg = config(
+        target="sla", sla={"itl_ms": 30.0, "ttft_ms": 1000.0, "min_samples": 5}, warmup_s=0, warmup_records=0
+    )
+    book = WorkerBook(cfg)
+    # wall = 5 ms + 0.002 ms per KV token.
+    for i in range(1, 40):
+        kv = 500 * i
+        book.ingest(
+            "decode",
+            rec("d0", counter=i, wall=0.005 + kv * 2e-6, s_decode=1 + i % 7, s_decode_kv=kv),
+            i * 0.1,
+        )
+    book.ingest("decode", rec("d0", counter=40, wall=0.037, s_decode=20, s_decode_kv=16000), 4.0)  # ITL 37 ms
+    book.ingest("prefill", heartbeat("p0"), 4.0)
+    d, _ = decide(book.observe(4.1), PolicyState(), cfg)
+    assert d.decode.action == "scale_up", d.decode.reason
+    sig = d.decode.signals
+    assert sig.samples is not None and sig.samples >= 39
+    assert sig.itl_est_s is not None and sig.itl_est_s.max == pytest.approx(0.005 + 16000 * 2e-6, rel=0.05)
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^decode\.max_replicas"):
+        config_from_mapping({"decode": {"min_replicas": 3, "max_replicas": 2}})
+    with pytest.raises(ConfigError, match=r"^prefill\.maxreplicas: unknown option"):
+        config_from_mapping({"prefill": {"maxreplicas": 2}})
+    with pytest.raises(ConfigError, match=r"^interval_s: expected a number"):
+        config_from_mapping({"interval_s": "fast"})
+    with pytest.raises(ConfigError, match=r"^target: 'fast' is not one of"):
+        config_from_mapping({"target": "fast"})
+    with pytest.raises(ConfigError, match=r"^gpu_budget"):
+        config_from_mapping({"gpu_budget": 1})
+    with pytest.raises(ConfigError, match=r"^thresholds: target 'load'"):
+        config_from_mapping({"target": "load"})
+    with pytest.raises(ConfigError, match=r"^thresholds\.decode_down"):
+        config_from_mapping({"target": "load", "thresholds": {"decode_up": 0.5, "decode_down": 0.7}})
+
+
+def test_policy_is_pure_and_fast() -> None:
+    cfg = config()
+    o = obs(
+        1.0,
+        [rec(f"p{i}", q_prefill_tokens=100) for i in range(1000)],
+        [rec(f"d{i}", s_decode_kv=5000) for i in range(1000)],
+    )
+    a = decide(o, PolicyState(), cfg)
+    assert a == decide(o, PolicyState(), cfg)
+    t = time.perf_counter()
+    for _ in range(10):
+        decide(o, PolicyState(), cfg)
+    assert (time.perf_counter() - t) / 10 < 0.010
+
+
+# --------------------------------------------------------------------------------------------------
+# A simulated cluster: the connector enacts a decision after ``delay`` ticks; a scale-down drains
+# (keeps its GPUs) for ``delay`` ticks. Loads are functions of (tick, pool) -> total demand.
+
+
+@dataclass
+class Sim:
+    cfg: PlannerConfig
+    prefill: int
+    decode: int
+    delay: int = 1
+    never_ready: set[str] = field(default_factory=set)
+    t: float = 0.0
+    state: PolicyState = field(default_factory=PolicyState)
+    pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # pool -> (target, ticks left)
+    history: list[Decision] = field(default_factory=list)
+    max_gpus: int = 0
+    silent_drain: bool = False  # a draining replica stops publishing at once (still holds its GPUs)
+
+    def running(self, name: str) -> int:
+        return getattr(self, name)
+
+    def records(self, name: str, demand: float) -> list:
+        n = self.reported(name) if self.silent_drain else self.running(name)
+        if n == 0:
+            return []
+        share = demand / n
+        if name == "prefill":
+            return [
+                rec(f"p{i}", q_prefill=1 if share else 0, q_prefill_tokens=int(share * 1000))
+                for i in range(n)
+            ]
+        return [rec(f"d{i}", s_decode=1 if share else 0, s_decode_kv=int(share * KV)) for i in range(n)]
+
+    def reported(self, name: str) -> int:
+        """Replicas as a local connector reports them: a draining replica is no longer counted."""
+        n = self.running(name)
+        if name in self.pending and self.pending[name][0] < n:
+            return self.pending[name][0]
+        return n
+
+    def tick(self, prefill_demand: float, decode_demand: float) -> Decision:
+        o = obs(
+            self.t,
+            self.records("prefill", prefill_demand),
+            self.records("decode", decode_demand),
+            prefill_replicas=self.reported("prefill"),
+            decode_replicas=self.reported("decode"),
+            settled=not self.pending,
+        )
+        d, self.state = decide(o, self.state, self.cfg)
+        self.history.append(d)
+        for name in ("prefill", "decode"):
+            fl = self.state.pool(name).in_flight
+            if fl is not None and fl.since == self.t:  # a new command this tick
+                self.pending[name] = (fl.target, self.delay)
+        # GPUs held: running + starting (pending up) ; draining ones are still in ``running``.
+        gpus = 0
+        for name in ("prefill", "decode"):
+            n = self.running(name)
+            if name in self.pending:
+                n = max(n, self.pending[name][0])
+            gpus += n * self.cfg.pool(name).gpus_per_replica
+        self.max_gpus = max(self.max_gpus, gpus)
+        for name, (target, left) in list(self.pending.items()):
+            if left <= 0:
+                if not (name in self.never_ready and target > self.running(name)):
+                    setattr(self, name, target)
+                del self.pending[name]
+            else:
+                self.pending[name] = (target, left - 1)
+        self.t += self.cfg.interval_s
+        return d
+
+
+def run(sim: Sim, ticks: int, load: Callable[[int], tuple[float, float]]) -> Sim:
+    for i in range(ticks):
+        sim.tick(*load(i))
+    return sim
+
+
+def test_zero_traffic_returns_both_pools_to_minimum() -> None:
+    sim = run(Sim(config(), prefill=4, decode=4), 40, lambda i: (0.0, 0.0))
+    assert (sim.prefill, sim.decode) == (1, 1)
+    assert all(d.prefill.desired >= 1 and d.decode.desired >= 1 for d in sim.history)
+    # One step per pool per interval.
+    assert all(abs(d.decode.desired - d.decode.current) <= 1 for d in sim.history)
+
+
+def test_oscillation_bait_two_to_one() -> None:
+    """Two decode engines at 0.55 each: below the 0.6 down threshold, but one engine would be at 1.1."""
+    sim = run(Sim(config(), prefill=1, decode=2), 40, lambda i: (0.05, 1.1))
+    assert sim.decode == 2
+    assert all(d.decode.action == "hold" for d in sim.history), [d.decode.reason for d in sim.history]
+    assert "would be 1.10" in sim.history[-1].decode.reason
+
+
+def test_scale_down_needs_a_sustained_window() -> None:
+    cfg = config(scale_down_window_s=20.0)
+    # Demand dips for 3 ticks (15 s) then returns: no scale-down.
+    load = [(0.05, 0.4)] * 3 + [(0.05, 1.4)] * 2 + [(0.05, 0.4)] * 3 + [(0.05, 1.4)]
+    sim = run(Sim(cfg, prefill=1, decode=2), len(load), lambda i: load[i])
+    assert sim.decode == 2 and all(d.decode.action == "hold" for d in sim.history)
+    sim = run(Sim(cfg, prefill=1, decode=2), 8, lambda i: (0.05, 0.4))
+    assert sim.decode == 1
+
+
+def test_replica_that_never_becomes_ready_is_abandoned() -> None:
+    cfg = config(action_timeout_s=30.0)
+    sim = Sim(cfg, prefill=1, decode=1, never_ready={"decode"})
+    first = sim.tick(0.05, 1.5)
+    assert first.decode.action == "scale_up"
+    later = [sim.tick(0.05, 1.5).decode for _ in range(10)]
+    assert later[0].reason.startswith("waiting for action 1->2")
+    gave_up = next(i for i, d in enumerate(later) if "abandoning it and asking for 1" in d.reason)
+    assert gave_up == 5  # started at t=0, 30 s timeout, 5 s per interval: gives up at t=30
+    # It is not stuck: once the revert is acknowledged, it tries again.
+    assert any(d.action == "scale_up" for d in later[gave_up + 1 : gave_up + 4])
+    assert sim.decode == 1
+
+
+@pytest.mark.parametrize("silent_drain", [False, True])
+def test_budget_limited_rebalance_never_exceeds_budget(silent_drain: bool) -> None:
+    cfg = config(
+        gpu_budget=4,
+        prefill={"min_replicas": 1, "max_replicas": 4},
+        decode={"min_replicas": 1, "max_replicas": 4},
+    )
+    sim = Sim(cfg, prefill=2, decode=2, delay=2, silent_drain=silent_drain)
+    d = sim.tick(0.1, 3.0)  # prefill nearly idle, decode overloaded
+    assert d.decode.action == "hold" and "rebalancing from prefill" in d.decode.reason
+    assert d.prefill.action == "scale_down" and d.prefill.reason.startswith("rebalance")
+    run(sim, 12, lambda i: (0.1, 3.0))
+    assert (sim.prefill, sim.decode) == (1, 3)
+    assert sim.max_gpus <= 4
+
+
+def test_budget_blocks_when_other_pool_cannot_give() -> None:
+    cfg = config(gpu_budget=4)
+    sim = run(Sim(cfg, prefill=2, decode=2), 6, lambda i: (1.5, 3.0))
+    assert (sim.prefill, sim.decode) == (2, 2) and sim.max_gpus <= 4
+    assert (
+        "cannot give a replica" in sim.history[-1].decode.reason
+        or "cannot give" in sim.history[-1].prefill.reason
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.tuples(st.floats(0, 6), st.floats(0, 6)), min_size=5, max_size=40),
+    budget=st.integers(2, 8),
+    p0=st.integers(1, 4),
+    d0=st.integers(1, 4),
+    delay=st.integers(0, 3),
+    silent=st.booleans(),
+)
+def test_random_traffic_respects_bounds_and_budget(
+    loads: list[tuple[float, float]], budget: int, p0: int, d0: int, delay: int, silent: bool
+) -> None:
+    if p0 + d0 > budget:
+        budget = p0 + d0
+    cfg = config(gpu_budget=budget)
+    sim = run(
+        Sim(cfg, prefill=p0, decode=d0, delay=delay, silent_drain=silent), len(loads), lambda i: loads[i]
+    )
+    assert sim.max_gpus <= budget
+    for d in sim.history:
+        for pd in (d.prefill, d.decode):
+            assert 1 <= pd.desired <= 4
+            # Proportional sizing may add several replicas at once; a scale-down is one step.
+            assert pd.current - pd.desired <= cfg.scale_down_step
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    loads=st.lists(st.tuples(st.floats(0, 6), st.floats(0, 6)), min_size=5, max_size=30),
+    cap=st.integers(1, 3),
+    delay=st.integers(0, 3),
+)
+def test_random_traffic_respects_the_per_action_cap(
+    loads: list[tuple[float, float]], cap: int, delay: int
+) -> None:
+    cfg = config(max_scale_up_step=cap, prefill={"max_replicas": 8}, decode={"max_replicas": 8})
+    sim = run(Sim(cfg, prefill=1, decode=1, delay=delay), len(loads), lambda i: loads[i])
+    asked: dict[str, int] = {}
+    for d in sim.history:
+        for pd in (d.prefill, d.decode):
+            assert 1 <= pd.desired <= 8
+            if pd.action == "scale_up":
+                # On top of what runs, or of a scale-up still starting: at most ``cap`` more.
+                base = max(pd.current, asked.get(pd.pool, 0))
+                assert pd.desired - base <= cap, pd.reason
+                asked[pd.pool] = pd.desired
+            elif pd.action == "scale_down":
+                asked[pd.pool] = pd.desired
+
+
+# --------------------------------------------------------------------------------------------------
+# Proportional, startup-aware sizing (docs/planner.md, "Sizing").
+
+
+def test_one_decision_adds_what_the_load_needs() -> None:
+    """3.4 engines of decode demand on one engine: one action asks for ceil(3.4 / 0.85) = 4 replicas."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(3.4 * KV))]
+    d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
+    assert (d.decode.action, d.decode.desired) == ("scale_up", 4), d.decode.reason
+    assert d.decode.sizing is not None and d.decode.sizing.needed == 4
+    assert d.decode.signals.demand == pytest.approx(3.4)
+    # ... bounded by max_replicas and by the per-action cap.
+    d, _ = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), config(max_scale_up_step=2))
+    assert d.decode.desired == 3
+
+
+def test_starting_replicas_are_capacity_to_come() -> None:
+    """Asked for 4; three still starting: the same load asks for nothing more, a bigger one does."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(3.4 * KV))]
+    _, state = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
+    # The connector runs 4 (3 starting, not publishing yet): no mismatch hold, no second ask.
+    o = obs(5.0, [heartbeat("p0")], decode, decode_replicas=4)
+    o = type(o)(o.now, o.prefill, type(o.decode)(**{**_fields(o.decode), "starting": 3}), o.settled)
+    d, state = decide(o, state, cfg)
+    assert d.decode.action == "hold" and d.decode.desired == 4, d.decode.reason
+    assert "waiting for action 1->4" in d.decode.reason and "silent" not in d.decode.reason
+    # Load doubles while they start: asks on top of them, without waiting.
+    bigger = [rec("d0", s_decode=8, s_decode_kv=int(6.0 * KV))]
+    o = obs(10.0, [heartbeat("p0")], bigger, decode_replicas=4)
+    o = type(o)(o.now, o.prefill, type(o.decode)(**{**_fields(o.decode), "starting": 3}), o.settled)
+    d, state = decide(o, state, cfg)
+    assert d.decode.action == "scale_up" and d.decode.desired >= 8, d.decode.reason
+
+
+def _fields(p: object) -> dict[str, Any]:
+    from dataclasses import fields
+
+    return {f.name: getattr(p, f.name) for f in fields(p)}  # type: ignore[arg-type]  # any dataclass instance
+
+
+def test_startup_time_is_measured_from_action_to_first_record() -> None:
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(1.5 * KV))]
+    _, state = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
+    assert state.decode.startup_probe == (0.0, 1)
+    both = [*decode, rec("d1", s_decode=1, s_decode_kv=100)]
+    d, state = decide(obs(35.0, [heartbeat("p0")], both, decode_replicas=2), state, cfg)
+    assert state.decode.startup_s == 35.0 and state.decode.startup_probe is None
+    assert d.decode.signals.lead_s == 35.0  # the next sizing looks 35 s ahead, not 60
+
+
+def test_startup_is_timed_for_the_ask_not_for_a_replica_already_starting() -> None:
+    """A second ask while the first one's replica still starts: that replica landing 10 s later is not
+    this ask's startup (on the slow wave it read 28 s on a 60 s cold start, and sized too little ahead)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+    hot = [rec("d0", s_decode=8, s_decode_kv=int(1.5 * KV))]
+    _, state = decide(obs(0.0, [heartbeat("p0")], hot), PolicyState(), cfg)
+    assert state.decode.in_flight is not None and state.decode.in_flight.target == 2
+    state = type(state)(state.prefill, type(state.decode)(**{**_fields(state.decode), "startup_probe": None}))
+    # 50 s later, load has grown: a new ask on top of the replica still starting.
+    hotter = [rec("d0", s_decode=8, s_decode_kv=int(3.0 * KV))]
+    d, state = decide(obs(50.0, [heartbeat("p0")], hotter, decode_replicas=2), state, cfg)
+    assert d.decode.action == "scale_up", d.decode.reason
+    assert state.decode.startup_probe == (50.0, 2)  # counted from running + starting, not from 1
+    # The first ask's replica lands at 60 s: not this ask's.
+    two = [*hotter, rec("d1", s_decode=1, s_decode_kv=100)]
+    _, state = decide(obs(60.0, [heartbeat("p0")], two, decode_replicas=d.decode.desired), state, cfg)
+    assert state.decode.startup_s is None and state.decode.startup_probe == (50.0, 2)
+    # This ask's first replica lands at 110 s: 60 s.
+    three = [*two, rec("d2", s_decode=1, s_decode_kv=100)]
+    _, state = decide(obs(110.0, [heartbeat("p0")], three, decode_replicas=d.decode.desired), state, cfg)
+    assert state.decode.startup_s == 60.0
+
+
+def test_a_steady_rise_under_the_down_threshold_holds_the_scale_down() -> None:
+    """A wave's upswing from its trough: the load is low and the straight-line projection still fits
+    fewer replicas, but it rises consistently: no replica is released (slow wave: 80.7% -> 90%)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=20.0, trend_window_s=40.0)
+    state = PolicyState()
+    actions = []
+    for i, t in enumerate(range(0, 45, 5)):
+        per = 0.02 + 0.01 * i  # 0.02 -> 0.09 of each of 6 engines: a projection well under 6 replicas
+        decode = [rec(f"d{k}", s_decode=1, s_decode_kv=int(per * KV)) for k in range(6)]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode, decode_replicas=6), state, cfg)
+        actions.append(d.decode.action)
+    assert d.decode.sizing is not None and d.decode.sizing.needed is not None
+    assert d.decode.sizing.needed < 6
+    assert "scale_down" not in actions, actions
+    assert "rising steadily" in d.decode.reason, d.decode.reason
+
+
+def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=10.0, trend_window_s=60.0)
+    state = PolicyState()
+    # Demand rises steadily on 3 engines (0.1 -> 0.5 each): below ``down`` but coming back.
+    for i, t in enumerate(range(0, 30, 5)):
+        per = 0.1 + 0.08 * i
+        decode = [rec(f"d{k}", s_decode=1, s_decode_kv=int(per * KV)) for k in range(3)]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode), state, cfg)
+    assert d.decode.action != "scale_down", d.decode.reason
+    assert d.decode.sizing is not None and (d.decode.sizing.slope or 0.0) > 0
+    # The same load, falling: steps down.
+    state = PolicyState()
+    actions = []
+    for i, t in enumerate(range(0, 30, 5)):
+        per = 0.5 - 0.08 * i
+        decode = [rec(f"d{k}", s_decode=1, s_decode_kv=int(per * KV)) for k in range(3)]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode), state, cfg)
+        actions.append(d.decode.action)
+    assert "scale_down" in actions, d.decode.reason
+
+
+def test_scale_down_stabilization_remembers_what_was_needed() -> None:
+    cfg = config(
+        decode={"min_replicas": 1, "max_replicas": 8},
+        scale_down_window_s=0.0,
+        scale_down_stabilization_s=60.0,
+    )
+    sim = Sim(cfg, prefill=1, decode=1)
+    run(sim, 2, lambda i: (0.05, 3.0))  # needs 4
+    assert sim.decode == 4
+    run(sim, 8, lambda i: (0.05, 0.4))  # 40 s of little load: still within 60 s of the need
+    assert sim.decode == 4, [d.decode.reason for d in sim.history[-3:]]
+    assert "stabilization" in sim.history[-1].decode.reason
+    run(sim, 10, lambda i: (0.05, 0.4))
+    assert sim.decode < 4
+
+
+def test_aggregated_workers_count_their_queued_prompts() -> None:
+    """Upstream's case: three aggregated engines with 20 queued prompts each must not be scaled down."""
+    cfg = config(scale_down_window_s=0.0, decode={"min_replicas": 1, "max_replicas": 8})
+    agg = [
+        rec(f"a{i}", s_decode=2, s_decode_kv=400, q_prefill=20, q_prefill_tokens=20 * 1500) for i in range(3)
+    ]
+    d, _ = decide(obs(0.0, [], agg, prefill_replicas=0), PolicyState(), config_with_no_prefill(cfg))
+    assert d.decode.action == "scale_up", d.decode.reason
+
+
+def config_with_no_prefill(cfg: PlannerConfig) -> PlannerConfig:
+    from dataclasses import replace as dc_replace
+
+    from dynamo.planner.config import PoolConfig
+
+    return dc_replace(cfg, prefill=PoolConfig(min_replicas=0, max_replicas=0))
+
+
+def test_an_on_time_tick_after_a_late_one_may_act() -> None:
+    """The interval guard: a tick 4.8 s after a late one (interval 5 s) is not held."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, max_scale_up_step=1)
+    high = [rec("d0", s_decode=8, s_decode_kv=int(2.0 * KV))]
+    _, state = decide(obs(10.2, [heartbeat("p0")], high), PolicyState(), cfg)
+    two = [rec("d0", s_decode=8, s_decode_kv=int(2.0 * KV)), rec("d1", s_decode=8, s_decode_kv=int(2.0 * KV))]
+    d, _ = decide(obs(15.0, [heartbeat("p0")], two, decode_replicas=2), state, cfg)
+    assert d.decode.action == "scale_up", d.decode.reason
+    assert "last step" not in d.decode.reason
+    # Called again within half an interval: held.
+    d2, _ = decide(obs(12.0, [heartbeat("p0")], two, decode_replicas=2), state, cfg)
+    assert d2.decode.action == "hold" and "last step" in d2.decode.reason
+
+
+def test_a_publishing_replica_is_never_counted_as_starting() -> None:
+    """A connector that still calls a publishing worker "starting" (its state file lags) does not hide
+    load."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    decode = [rec("d0", s_decode=8, s_decode_kv=int(1.15 * KV))]
+    o = obs(0.0, [heartbeat("p0")], decode)
+    o = type(o)(o.now, o.prefill, type(o.decode)(**{**_fields(o.decode), "starting": 1}), o.settled)
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.decode.action == "scale_up" and "over 1" in d.decode.reason, d.decode.reason
+
+
+def test_a_consistent_rise_of_a_tiny_load_does_not_scale_ahead() -> None:
+    """The demo's warm-up: a few requests rising steadily (0.02 -> 0.12 of one engine) must not read as
+    a ramp worth a replica; the same rise on a real share of the pool does (docs/planner.md, Sizing)."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+
+    def rise(start: float, step: float) -> list[Decision]:
+        state, out = PolicyState(), []
+        for t in range(6):  # one sample a second, as the demo's warm-up rose
+            decode = [rec("d0", s_decode=1, s_decode_kv=int((start + step * t) * KV))]
+            d, state = decide(obs(float(t), [heartbeat("p0")], decode), state, cfg)
+            out.append(d)
+        return out
+
+    tiny = rise(0.02, 0.02)
+    assert all(d.decode.action == "hold" for d in tiny), [d.decode.reason for d in tiny]
+    last = tiny[-1].decode.sizing
+    assert last is not None and last.needed is not None and last.needed > 1  # the projection asked for more
+    real = rise(0.3, 0.08)
+    assert any(d.decode.action == "scale_up" for d in real), [d.decode.reason for d in real]
