@@ -11,7 +11,7 @@ engine that just finished takes a core from the one that starts (on 2 cores, per
 quartiles and spread.
 
     .venv/bin/python benchmarks/bench_engine.py [--rounds 10] [--requests 64] [--max-tokens 256]
-        [--prompt-tokens 32] [--max-num-seqs 64] [--settle-s 1.5] [--json]
+        [--prompt-tokens 32] [--max-num-seqs 64] [--settle-s 1.5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1.5,
         help="pause between batches, so the idle engine's readers stop spinning (vLLM: 1 s after a read)",
     )
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the summary and every round as one JSON object to PATH (vLLM logs to stdout)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 2 or args.requests < 1 or args.max_tokens < 1 or args.prompt_tokens < 1:
         ap.error("--rounds must be >= 2, --requests, --max-tokens and --prompt-tokens >= 1")
@@ -157,17 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1m": os.getloadavg()[0],
     }
     if args.json:
-        print(json.dumps(summary))
-    else:
-        print(
-            f"tokens/s, {args.requests} concurrent requests x {args.max_tokens} tokens, {args.rounds} "
-            "rounds:\n"
-            f"  plain AsyncScheduler     median {summary['plain_tok_s_median']:.0f}\n"
-            f"  InstrumentedScheduler    median {summary['instrumented_tok_s_median']:.0f}\n"
-            f"  ratio instrumented/plain median {summary['ratio_median']:.3f} "
-            f"(quartiles {q1:.3f}-{q3:.3f}, spread {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}); "
-            f"{published} FPM records published to NATS; load average {summary['load_average_1m']:.1f}"
-        )
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    print(
+        f"tokens/s, {args.requests} concurrent requests x {args.max_tokens} tokens, {args.rounds} "
+        "rounds:\n"
+        f"  plain AsyncScheduler     median {summary['plain_tok_s_median']:.0f}\n"
+        f"  InstrumentedScheduler    median {summary['instrumented_tok_s_median']:.0f}\n"
+        f"  ratio instrumented/plain median {summary['ratio_median']:.3f} "
+        f"(quartiles {q1:.3f}-{q3:.3f}, spread {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}); "
+        f"{published} FPM records published to NATS; load average {summary['load_average_1m']:.1f}"
+    )
     return 0
 
 
