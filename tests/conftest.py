@@ -7,6 +7,7 @@ they spawn) runs offline with a small KV cache.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -23,6 +24,12 @@ from dynamo_fpm_testing.nats_server import EmbeddedNatsServer  # noqa: E402
 from dynamo_fpm_testing.stall_meter import MACHINE  # noqa: E402
 
 UPSTREAM_DIR = REPO / ".cache" / "upstream" / "ai-dynamo-1.6.1"
+
+# A shell without job control starts background commands (`make test &`, `nohup ... &`) with SIGINT ignored,
+# and an ignored signal stays ignored through exec: every process the Ctrl-C tests start would ignore the
+# SIGINT they send (three tests failed so). A handled signal is reset to its default at exec: handle it here.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
