@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
@@ -39,11 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.common.ports import free_port
+from dynamo.common.process_group import kill_group
 from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.planner_support import EmbeddedEtcd
 from dynamo_fpm_testing.worker_support import (
+    ENGINE_FLAGS,
     Proc,
     base_env,
+    http_json,
     kv_transfer_config_json,
     model_ready,
     scrape,
@@ -56,7 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 UPSTREAM_PY = REPO / ".cache" / "upstream-planner" / "venv" / "bin" / "python"
 OBSERVER = REPO / "benchmarks" / "upstream_planner" / "live_observer.py"
 MODEL = "tiny"
-BLOCK_SIZE = 32  # worker_support.ENGINE_FLAGS
+BLOCK_SIZE = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--block-size") + 1])  # the workers' KV block
 PLANES = ("nats", "zmq")
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "it", "was", "warm"]
 # The load shapes and the pool each makes the right one to scale, under the same planner config. The wrong
@@ -186,18 +188,15 @@ class Load:
                 "max_tokens": self.max_tokens,
                 "ignore_eos": True,
             }
-            data = json.dumps(body).encode()
-            req = urllib.request.Request(
-                f"{self.base_url}/v1/completions", data=data, headers={"content-type": "application/json"}
-            )
             try:
-                with urllib.request.urlopen(req, timeout=300) as resp:
-                    out = json.loads(resp.read())
-                tokens = int(out.get("usage", {}).get("completion_tokens", 0))
+                status, out = http_json(f"{self.base_url}/v1/completions", body, timeout=300)
+            except (OSError, ValueError):
+                status, out = 0, None
+            if status == 200 and isinstance(out, dict):
                 with self._lock:
                     self.done += 1
-                    self.tokens += tokens
-            except (OSError, ValueError):
+                    self.tokens += int(out.get("usage", {}).get("completion_tokens", 0))
+            else:
                 with self._lock:
                     self.failed += 1
                 time.sleep(1.0)
@@ -237,7 +236,7 @@ class Observer:
         try:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_group(self.proc.pid)
             self.proc.wait(10)
         self._thread.join(5)
         self._err.close()

@@ -210,9 +210,11 @@ def start_engines(specs: list[EngineSpec], log_dir: Path, timeout: float = 240.0
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of a process (all its threads)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def idle_cpu_cores(pids: list[int], seconds: float = 2.0) -> list[float]:

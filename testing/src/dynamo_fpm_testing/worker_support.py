@@ -107,21 +107,13 @@ def start_worker(model_dir: Path, env: dict[str, str], log_path: Path, *extra: s
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, grandchildren...), read from /proc."""
-    children_of: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children_of.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children_of.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every process below ``pid`` (children, grandchildren...); none if ``pid`` is gone."""
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def listening_addresses(pid: int, port: int) -> set[str]:

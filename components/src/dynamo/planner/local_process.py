@@ -97,7 +97,7 @@ class ProcessHandle:
         if alive and self.adopted:
             with contextlib.suppress(OSError):
                 if os.getpgid(self.pid) != self.pid:  # not a group leader: the worker alone
-                    os.kill(self.pid, signal.SIGKILL)
+                    process_group.signal_process(self.pid, signal.SIGKILL)
                     return
         process_group.kill_group(self.pid)
 
