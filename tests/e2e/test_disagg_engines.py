@@ -180,8 +180,8 @@ async def test_requests_waiting_for_real_transfers_are_queued_decode_then_schedu
     first_parked = next((t for t, r in window if parked(r)), None)
     assert first_parked is not None, [r.queued_requests for _, r in window]
     # Timings in the machine's running time (``dynamo_fpm_testing.stall_meter``): the VM may stop every
-    # process for seconds.
-    assert running_s(t_submit, first_parked) < 1.0, (
+    # process for seconds. 1.5 s, as for a gap below: well inside the planner's 5 s interval.
+    assert running_s(t_submit, first_parked) < 1.5, (
         f"first queued-decode record {first_parked - t_submit:.2f}s after submit"
     )
     # For as long as they wait: every record says so, and records keep coming. The engine snapshots its
