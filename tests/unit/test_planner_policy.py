@@ -606,6 +606,35 @@ def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:
     assert "scale_down" in actions, d.decode.reason
 
 
+def _saturated_engine_with_a_growing_queue(trend: str) -> tuple[int | None, float | None]:
+    """(replicas needed, demand) after 7 looks at one full engine whose queue grows at a constant rate."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0, decode_trend=trend)
+    state = PolicyState()
+    for i, t in enumerate(range(0, 35, 5)):
+        decode = [
+            rec("d0", s_decode=8, s_decode_kv=int(0.95 * KV), q_decode=4 * i, q_decode_kv=int(0.1 * i * KV))
+        ]
+        d, state = decide(obs(float(t), [heartbeat("p0")], decode), state, cfg)
+    assert d.decode.sizing is not None
+    return d.decode.sizing.needed, d.decode.sizing.demand
+
+
+def test_decode_trend_held_does_not_project_a_short_engines_queue_as_a_ramp() -> None:
+    """A step in arrivals on a short pool: what the engine holds is flat, its queue grows. ``demand``
+    (the default) sizes that growth for a startup ahead; ``held`` sizes today's demand (docs/planner.md:
+    flash crowd 1.55x -> 1.20x the static fleet's GPU-hours, ramp 90.0% -> 87.0%)."""
+    ahead, demand = _saturated_engine_with_a_growing_queue("demand")
+    held, same = _saturated_engine_with_a_growing_queue("held")
+    assert demand == same and demand is not None
+    assert held == -(-demand // 0.85) == 2, (held, demand)
+    assert ahead is not None and ahead >= held + 2, (ahead, held)
+
+
+def test_decode_trend_is_validated() -> None:
+    with pytest.raises(ConfigError, match="decode_trend"):
+        config(decode_trend="queue")
+
+
 def test_scale_down_stabilization_remembers_what_was_needed() -> None:
     cfg = config(
         decode={"min_replicas": 1, "max_replicas": 8},

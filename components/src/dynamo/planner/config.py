@@ -18,6 +18,7 @@ Target = Literal["throughput", "latency", "load", "sla"]
 ConnectorName = Literal["virtual", "local", "kubernetes"]
 ScaleVia = Literal["auto", "adapter", "dgd"]
 EventPlaneName = Literal["nats", "zmq"]
+DecodeTrend = Literal["demand", "held"]
 
 
 class ConfigError(ValueError):
@@ -168,6 +169,10 @@ class PlannerConfig:
     trend_min_r2: float = 0.7
     # The projected growth is at most this many times today's demand.
     projection_cap: float = 2.0
+    # Decode: the trend sized for is that of the engines' demand, queues included ("demand"), or of
+    # what they hold ("held"). A short engine's queue grows at constant arrivals, so "demand" projects a
+    # burst's step as a ramp: "held" is cheaper on bursts and later on ramps (docs/planner.md).
+    decode_trend: DecodeTrend = "demand"
     # Startup assumed until measured (seconds from a scale-up to the new replica's first record).
     expected_startup_s: float = 60.0
     # Decode: an engine's queue counts towards demand up to this many times what it holds.

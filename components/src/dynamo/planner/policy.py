@@ -68,6 +68,8 @@ class PoolState:
     startup_probe: tuple[float, int] | None = None
     # (time, replicas the sizing asked for) inside the scale-down stabilization window.
     needs: tuple[tuple[float, int], ...] = ()
+    # Decode with ``decode_trend: held``: (time, what the engines hold) samples inside the trend window.
+    held_trend: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ class Signals:
     decode_kv_waiting_tokens: int | None = None
     transfer_bound_engines: int | None = None
     slot_load_max: float | None = None
+    held_slope: float | None = None  # ``decode_trend: held``: the slope sized for, engines per second
     # Prefill.
     queued_prefill_tokens: int | None = None
     engine_rate_tok_s: float | None = None
@@ -364,7 +367,7 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     # times what they hold. A queue behind full slots says the pool is short, not by how much: the
     # backlog stays with its engine (it drains there), so counted in full it sizes the fleet for a moment.
     cap = cfg.decode_queue_weight
-    demand = 0.0
+    demand = held_total = 0.0
     for e in pool.engines:
         dd = decode_demand(e, cfg.transfer_bound_weight, up)
         load = decode_load(e, dd)
@@ -379,6 +382,7 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
             slot_max = max(slot_max, dd.requests / seqs)
             held = max(held, s.num_decode_requests / seqs)
         demand += held + min(max(load - held, 0.0), cap * max(held, 1.0))
+        held_total += held
     sig = Signals(
         decode_kv_tokens=sum(e.record.scheduled_requests.sum_decode_kv_tokens for e in pool.engines),
         queued_decode_kv_tokens=sum(e.record.queued_requests.sum_decode_kv_tokens for e in pool.engines),
@@ -390,8 +394,15 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     samples = _trend(view, demand, now)
     st = replace(view.state, trend=samples)
     slope, r2 = trend_fit(samples)
+    growth = slope
+    if cfg.decode_trend == "held":
+        window = cfg.trend_window_s
+        held_samples = (*(x for x in view.state.held_trend if now - x[0] <= window), (now, held_total))
+        st = replace(st, held_trend=held_samples)
+        growth = trend_slope(held_samples)
+        sig = replace(sig, held_slope=round(growth, 6))
     # A trend is a guess: never project more than ``projection_cap`` times today's demand on top of it.
-    projected = demand + min(max(slope, 0.0) * view.lead_s, cfg.projection_cap * max(demand, 1.0))
+    projected = demand + min(max(growth, 0.0) * view.lead_s, cfg.projection_cap * max(demand, 1.0))
     # A consistent rise holds a scale-down from 4 samples; it triggers a scale-up ahead of today's demand
     # (the costly direction) from 6, so that one step after three flat samples does not read as a ramp.
     rising = len(samples) >= 4 and slope > 0 and r2 >= cfg.trend_min_r2
