@@ -155,6 +155,9 @@ class PlannerConfig:
     # Never below the most replicas the sizing asked for within this long (the HPA's scale-down
     # stabilization window; an idle pool's records cannot say how close to saturation it is).
     scale_down_stabilization_s: float = 300.0
+    # Decode: a scale-up that took at least this long to land and then finds its load gone (a burst
+    # shorter than the startup) is not held by that window (None: always held; docs/planner.md).
+    late_landing_s: float | None = 30.0
     # A pool with no work at all for this long steps down to its minimum (one step per interval).
     idle_window_s: float = 30.0
     # An action not completed by then is abandoned: the planner accepts what is running and moves on.
@@ -300,6 +303,8 @@ def _check(cfg: PlannerConfig) -> None:
     positive("trend_window_s", cfg.trend_window_s, allow_zero=True)
     positive("scale_down_stabilization_s", cfg.scale_down_stabilization_s, allow_zero=True)
     positive("projection_cap", cfg.projection_cap, allow_zero=True)
+    if cfg.late_landing_s is not None:
+        positive("late_landing_s", cfg.late_landing_s, allow_zero=True)
     positive("expected_startup_s", cfg.expected_startup_s, allow_zero=True)
     positive("prefill_drain_s", cfg.prefill_drain_s)
     positive("stale_after_s", cfg.stale_after_s)

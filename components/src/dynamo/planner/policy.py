@@ -70,6 +70,8 @@ class PoolState:
     needs: tuple[tuple[float, int], ...] = ()
     # Decode with ``decode_trend: held``: (time, what the engines hold) samples inside the trend window.
     held_trend: tuple[tuple[float, float], ...] = ()
+    # The last scale-up's landing, for ``rule_late_landing``: (landed at, replicas before the ask).
+    landed: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,7 @@ class Signals:
     transfer_bound_engines: int | None = None
     slot_load_max: float | None = None
     held_slope: float | None = None  # ``decode_trend: held``: the slope sized for, engines per second
+    late_landing_from: int | None = None  # a scale-up from this many landed after its load: needs forgotten
     # Prefill.
     queued_prefill_tokens: int | None = None
     engine_rate_tok_s: float | None = None
@@ -706,7 +709,9 @@ def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
     up = fl.target >= fl.previous
     reached = pool.workers >= fl.target if up else pool.workers <= fl.target
     if reached and (obs.settled or up):
-        d.st = replace(d.st, in_flight=None)
+        # Only a landing slower than ``late_landing_s`` is late (see ``rule_late_landing``).
+        late = up and cfg.late_landing_s is not None and now - fl.since >= cfg.late_landing_s
+        d.st = replace(d.st, in_flight=None, landed=(now, fl.previous) if late else None)
         return
     if now - fl.since >= cfg.action_timeout_s:
         pc = cfg.pool(d.name)
@@ -784,6 +789,31 @@ def rule_mismatch(d: Draft, obs: Observation, cfg: PlannerConfig) -> int:
             replace(d.st, down_since=None, idle_since=None),
         )
     return missing
+
+
+def rule_late_landing(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
+    """Replicas that landed after the load that asked for them had gone are not held by the stabilization.
+
+    The stabilization window keeps what the sizing needed so that a dip between two needs does not release
+    replicas the load wants back. A decode scale-up that took at least ``late_landing_s`` to land and
+    then, within one startup, finds the pool wanting down with its demand under ``decode_down`` times the
+    replicas it had before the ask answered a burst shorter than the startup: the needs recorded before
+    the landing are forgotten and the usual scale-down (window, step) follows. A faster startup keeps the
+    window's anti-flap role (a re-ask costs seconds); decode only, because an unsaturated prefill pool's
+    records cannot say how close to saturation it is.
+    """
+    landed = d.st.landed
+    if landed is None:
+        return
+    at, before = landed
+    s = d.sizing
+    if d.name != "decode" or obs.now - at > _lead(d.st, cfg):
+        d.st = replace(d.st, landed=None)
+        return
+    floor = cfg.effective_thresholds().decode_down * before  # what the replicas before it carry, well under
+    if s is not None and s.want == "down" and s.demand is not None and s.demand <= floor:
+        d.st = replace(d.st, landed=None, needs=tuple(x for x in d.st.needs if x[0] > at))
+        d.signals = replace(d.signals, late_landing_from=before)
 
 
 def rule_idle(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> None:
@@ -906,6 +936,7 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
         kept = tuple(x for x in d.st.needs if obs.now - x[0] <= window)
         d.st = replace(d.st, needs=(*kept, (obs.now, min(sizing.needed, cfg.pool(name).max_replicas))))
     d.signals = replace(d.signals.merged(sizing.signals), want=sizing.want, lead_s=round(view.lead_s, 1))
+    rule_late_landing(d, obs, cfg)
     rule_idle(d, obs, cfg, missing)
     if d.done:
         return d
