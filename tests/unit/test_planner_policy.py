@@ -675,6 +675,7 @@ def test_a_decode_scale_up_that_lands_after_its_burst_is_released() -> None:
     assert sim.decode == 1, [d.decode.reason for d in sim.history[-3:]]
     released = [d.decode for d in sim.history if d.decode.signals.late_landing_from is not None]
     assert released and released[0].signals.late_landing_from == 1
+    assert "landed after its load" in released[0].reason, released[0].reason
     downs = [d.decode for d in sim.history if d.decode.action == "scale_down"]
     assert downs and all(d.current - d.desired == 1 for d in downs)  # the usual step, after the usual window
 

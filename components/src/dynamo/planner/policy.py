@@ -814,6 +814,8 @@ def rule_late_landing(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
     if s is not None and s.want == "down" and s.demand is not None and s.demand <= floor:
         d.st = replace(d.st, landed=None, needs=tuple(x for x in d.st.needs if x[0] > at))
         d.signals = replace(d.signals, late_landing_from=before)
+        why = f"; the scale-up from {before} landed after its load: not held by the stabilization"
+        d.sizing = replace(s, why=s.why + why)
 
 
 def rule_idle(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> None:
