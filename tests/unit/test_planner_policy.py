@@ -621,8 +621,8 @@ def _saturated_engine_with_a_growing_queue(trend: str) -> tuple[int | None, floa
 
 def test_decode_trend_held_does_not_project_a_short_engines_queue_as_a_ramp() -> None:
     """A step in arrivals on a short pool: what the engine holds is flat, its queue grows. ``demand``
-    (the default) sizes that growth for a startup ahead; ``held`` sizes today's demand (docs/planner.md:
-    flash crowd 1.55x -> 1.20x the static fleet's GPU-hours, ramp 90.0% -> 87.0%)."""
+    (the default) sizes that growth for a startup ahead; ``held`` sizes today's demand (cheaper on bursts,
+    later on ramps: docs/planner-evaluation.md)."""
     ahead, demand = _saturated_engine_with_a_growing_queue("demand")
     held, same = _saturated_engine_with_a_growing_queue("held")
     assert demand == same and demand is not None
@@ -669,7 +669,7 @@ def _burst_shorter_than_the_startup(delay: int, after: float, **over: Any) -> Si
 
 def test_a_decode_scale_up_that_lands_after_its_burst_is_released() -> None:
     """The flash crowd at 60 s cold start: replicas asked for a 45 s burst land after it and were held by
-    the stabilization window (1.55x the static fleet's GPU-hours; 1.17x with this rule, same goodput)."""
+    the stabilization window (1.54x the static fleet's GPU-hours; 1.16x with this rule, same goodput)."""
     sim = _burst_shorter_than_the_startup(delay=8, after=0.1)  # lands after 45 s
     assert max(d.decode.desired for d in sim.history) >= 4
     assert sim.decode == 1, [d.decode.reason for d in sim.history[-3:]]
