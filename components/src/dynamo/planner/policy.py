@@ -800,7 +800,7 @@ def rule_late_landing(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
     replicas it had before the ask answered a burst shorter than the startup: the needs recorded before
     the landing are forgotten and the usual scale-down (window, step) follows. A faster startup keeps the
     window's anti-flap role (a re-ask costs seconds); decode only, because an unsaturated prefill pool's
-    records cannot say how close to saturation it is.
+    records cannot say how close to saturation it is; threshold targets only (``sla`` sizes no demand).
     """
     landed = d.st.landed
     if landed is None:
