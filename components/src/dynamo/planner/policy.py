@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from .config import PlannerConfig
 from .observations import EngineObs, Observation, PoolObs
@@ -38,6 +38,7 @@ PoolName = Literal["prefill", "decode"]
 POOLS: tuple[PoolName, PoolName] = ("prefill", "decode")
 Action = Literal["scale_up", "scale_down", "hold"]
 Want = Literal["up", "down", "idle", "steady", "hold"]
+SampleValue = TypeVar("SampleValue")  # a windowed sample's value: demand (float) or replicas (int)
 
 
 def other(pool: PoolName) -> PoolName:
@@ -345,10 +346,16 @@ def _needed_replicas(engines_needed: float, pool: PoolObs) -> int:
     return max(1, math.ceil(engines_needed / _per_worker(pool) - 1e-9))
 
 
+def _within(
+    samples: tuple[tuple[float, SampleValue], ...], window: float, now: float, value: SampleValue
+) -> tuple[tuple[float, SampleValue], ...]:
+    """The (time, value) samples at most ``window`` seconds old, with ``(now, value)`` appended."""
+    return (*(x for x in samples if now - x[0] <= window), (now, value))
+
+
 def _trend(view: PoolView, value: float, now: float) -> tuple[tuple[float, float], ...]:
     """The pool's (time, value) samples inside ``trend_window_s``, with today's appended."""
-    window = view.cfg.trend_window_s
-    return (*(s for s in view.state.trend if now - s[0] <= window), (now, value))
+    return _within(view.state.trend, view.cfg.trend_window_s, now, value)
 
 
 def _capacity_unknown(pool: PoolObs, field: str) -> Sizing | None:
@@ -399,8 +406,7 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     slope, r2 = trend_fit(samples)
     growth = slope
     if cfg.decode_trend == "held":
-        window = cfg.trend_window_s
-        held_samples = (*(x for x in view.state.held_trend if now - x[0] <= window), (now, held_total))
+        held_samples = _within(view.state.held_trend, cfg.trend_window_s, now, held_total)
         st = replace(st, held_trend=held_samples)
         growth = trend_slope(held_samples)
         sig = replace(sig, held_slope=round(growth, 6))
@@ -934,9 +940,8 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     sizing, d.st = pool_sizing(view, obs.now)
     d.sizing = sizing
     if sizing.want == "up" and sizing.needed is not None:
-        window = cfg.scale_down_stabilization_s
-        kept = tuple(x for x in d.st.needs if obs.now - x[0] <= window)
-        d.st = replace(d.st, needs=(*kept, (obs.now, min(sizing.needed, cfg.pool(name).max_replicas))))
+        need = min(sizing.needed, cfg.pool(name).max_replicas)
+        d.st = replace(d.st, needs=_within(d.st.needs, cfg.scale_down_stabilization_s, obs.now, need))
     d.signals = replace(d.signals.merged(sizing.signals), want=sizing.want, lead_s=round(view.lead_s, 1))
     rule_late_landing(d, obs, cfg)
     rule_idle(d, obs, cfg, missing)
