@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.planner.config import config_from_mapping, load_config_arg, merge
+from dynamo.planner.sim.acceptance import check, report
 from dynamo.planner.sim.baselines import cheapest_static
 from dynamo.planner.sim.harness import SimSpec, at_startup, simulate, trace_spec
 from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
@@ -75,7 +76,14 @@ def main() -> int:
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's planner")
     ap.add_argument("--json", help="write every summary to this file")
+    ap.add_argument(
+        "--check",
+        metavar="FILE",
+        help="run nothing: judge a file written by --json against the targets (docs/planner-evaluation.md)",
+    )
     args = ap.parse_args()
+    if args.check:
+        return _check_file(Path(args.check))
     try:
         names = scenario_names(args.scenarios)
     except ValueError as exc:
@@ -152,6 +160,22 @@ def main() -> int:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    print()
+    print(report(check(results)))
+    return 0
+
+
+def _check_file(path: Path) -> int:
+    """The targets' verdict on a saved run; 2 on a file that is not one."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"--check {path}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "scenario" in r for r in rows):
+        print(f"--check {path}: not a list of rows written by --json", file=sys.stderr)
+        return 2
+    print(report(check(rows)))
     return 0
 
 

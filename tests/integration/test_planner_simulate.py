@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from dynamo._core import run_mocker_trace_replay
 from dynamo.planner.config import PlannerConfig
+from dynamo.planner.sim.acceptance import check
 from dynamo.planner.sim.harness import PlannerPolicy, SimSpec, simulate
 from dynamo.planner.sim.inputs import engine_args, merge_traces
 from dynamo.planner.sim.scenarios import SCENARIOS, Phase, Scenario, requests, write_trace
@@ -106,6 +107,29 @@ def test_a_decode_shift_scales_decode_and_not_prefill(decode_shift: Path) -> Non
     # Every tick is on the timeline, with the fleet the simulator reported.
     assert len(result["ticks"]) == s["planner_ticks"] > 100
     assert max(t["decode"]["active"] for t in result["ticks"]) == s["peak_replicas"]["decode"]
+
+
+def test_acceptance_judges_real_summaries(decode_shift: Path) -> None:
+    """The targets read the harness's own summary keys: a renamed key must fail here, not skip a target."""
+    ours = simulate(_spec(decode_shift), PlannerConfig())["summary"]
+    static = simulate(_spec(decode_shift, static=(2, 2)), None)["summary"]
+    rows = [
+        {"scenario": "decode-shift", "startup_s": None, "policy": "static 2+2", **static},
+        {"scenario": "decode-shift", "startup_s": 60.0, "policy": "ours", **ours},
+    ]
+    checks = {c.criterion: c for c in check(rows)}
+    assert set(checks) == {
+        "goodput",
+        "GPU-hours / static",
+        "prefill direction changes",
+        "decode direction changes",
+    }
+    assert checks["goodput"].measured == f"{ours['goodput_pct']:.1f}%"
+    assert checks["goodput"].met == (ours["goodput_pct"] >= 85.0)
+    ratio = ours["gpu_hours"] / static["gpu_hours"]
+    assert checks["GPU-hours / static"].met == (ratio <= 1.25)
+    assert checks["decode direction changes"].measured == str(ours["flips"]["decode"])
+    assert checks["prefill direction changes"].met == (ours["flips"]["prefill"] == 0)
 
 
 def test_static_equals_a_plain_simulator_run(decode_shift: Path) -> None:
