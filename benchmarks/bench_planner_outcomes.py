@@ -66,6 +66,58 @@ def _save(path: Path, cache: dict[str, Any]) -> None:
     path.write_text(json.dumps(cache, indent=1))
 
 
+def load_cache() -> tuple[dict[str, Any], Path]:
+    """The cached static fleets and upstream runs (neither depends on our planner), and their file."""
+    cache_file = CACHE / "baselines.json"
+    cache: dict[str, Any] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    old = CACHE / "upstream.json"  # before static fleets were cached too
+    if old.exists() and not cache:
+        cache = json.loads(old.read_text())
+    return cache, cache_file
+
+
+def static_baseline(
+    trace: Path, base: SimSpec, cache: dict[str, Any], cache_file: Path
+) -> tuple[int, dict[str, Any]] | None:
+    """The cheapest static N+N fleet reaching 95% on this trace (searched once, then cached)."""
+    skey = f"static-{_key(trace, base)}"
+    if skey not in cache:  # a static fleet's outcome does not depend on the planner: cached
+        hit = cheapest_static(base)
+        cache[skey] = None if hit is None else [hit[0], hit[1]]
+        _save(cache_file, cache)
+    found = cache[skey]
+    return None if found is None else (int(found[0]), found[1])
+
+
+def upstream_baseline(
+    name: str, trace: Path, spec: SimSpec, startup: float, cache: dict[str, Any], cache_file: Path
+) -> dict[str, Any] | None:
+    """Upstream's planner on this trace and cold start (run once, then cached); None if it failed."""
+    key = f"{_key(trace, spec)}-{startup:g}" + (
+        "" if spec.initial == (1, 1) else f"-{spec.initial[0]},{spec.initial[1]}"
+    )
+    if key not in cache:
+        t1 = time.perf_counter()
+        try:
+            cache[key] = run_upstream(
+                [trace],
+                spec.prefill_engine_args,
+                spec.decode_engine_args,
+                startup_time_s=startup,
+                sla_ttft_ms=spec.sla_ttft_ms,
+                sla_itl_ms=spec.sla_itl_ms,
+                initial=spec.initial,
+                planner_config=UPSTREAM_CONFIG,
+            )
+        except RuntimeError as exc:
+            print(f"  [{name} {startup:g} s: upstream failed: {str(exc).splitlines()[0]}]", file=sys.stderr)
+            return None
+        print(f"  [{name} {startup:g} s: upstream {time.perf_counter() - t1:.0f} s]", file=sys.stderr)
+        _save(cache_file, cache)
+    result: dict[str, Any] = cache[key]
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated names (default: all)")
@@ -94,23 +146,14 @@ def main() -> int:
     upstream_reason = "--no-upstream" if args.no_upstream else upstream_available()
     if upstream_reason:
         print(f"upstream planner skipped: {upstream_reason}", file=sys.stderr)
-    cache_file = CACHE / "baselines.json"
-    cache: dict[str, Any] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-    old = CACHE / "upstream.json"  # before static fleets were cached too
-    if old.exists() and not cache:
-        cache = json.loads(old.read_text())
+    cache, cache_file = load_cache()
     results: list[dict[str, Any]] = []
     print(HEADER)
     for name in names:
         trace = write_trace(name, CACHE / f"{name}-{args.seed}.jsonl", seed=args.seed)
         base = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms)
         t0 = time.perf_counter()
-        skey = f"static-{_key(trace, base)}"
-        if skey not in cache:  # a static fleet's outcome does not depend on the planner: cached
-            hit = cheapest_static(base)
-            cache[skey] = None if hit is None else [hit[0], hit[1]]
-            _save(cache_file, cache)
-        found = cache[skey]
+        found = static_baseline(trace, base, cache, cache_file)
         static_gpu_h = found[1]["gpu_hours"] if found else None
         print(f"  [{name}: static search {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
         if found:
@@ -126,31 +169,9 @@ def main() -> int:
             results.append({"scenario": name, "startup_s": startup, "policy": "ours", **ours})
             if upstream_reason:
                 continue
-            key = f"{_key(trace, spec)}-{startup:g}" + (
-                "" if spec.initial == (1, 1) else f"-{spec.initial[0]},{spec.initial[1]}"
-            )
-            if key not in cache:
-                t1 = time.perf_counter()
-                try:
-                    cache[key] = run_upstream(
-                        [trace],
-                        spec.prefill_engine_args,
-                        spec.decode_engine_args,
-                        startup_time_s=startup,
-                        sla_ttft_ms=spec.sla_ttft_ms,
-                        sla_itl_ms=spec.sla_itl_ms,
-                        initial=spec.initial,
-                        planner_config=UPSTREAM_CONFIG,
-                    )
-                except RuntimeError as exc:
-                    print(
-                        f"  [{name} {startup:g} s: upstream failed: {str(exc).splitlines()[0]}]",
-                        file=sys.stderr,
-                    )
-                    continue
-                print(f"  [{name} {startup:g} s: upstream {time.perf_counter() - t1:.0f} s]", file=sys.stderr)
-                _save(cache_file, cache)
-            up = cache[key]
+            up = upstream_baseline(name, trace, spec, startup, cache, cache_file)
+            if up is None:
+                continue
             print(row(name, f"{startup:g}", "upstream 1.6.1*", up, static_gpu_h), flush=True)
             results.append({"scenario": name, "startup_s": startup, "policy": "upstream-1.6.1", **up})
     if not upstream_reason:

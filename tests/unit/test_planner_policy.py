@@ -630,12 +630,14 @@ def test_decode_trend_held_does_not_project_a_short_engines_queue_as_a_ramp() ->
     assert ahead is not None and ahead >= held + 2, (ahead, held)
 
 
-def test_decode_trend_and_late_landing_are_validated() -> None:
+def test_decode_trend_late_landing_and_decode_follows_prefill_are_validated() -> None:
     with pytest.raises(ConfigError, match="decode_trend"):
         config(decode_trend="queue")
     with pytest.raises(ConfigError, match="late_landing_s"):
         config(late_landing_s=-1.0)
     assert config(late_landing_s=None).late_landing_s is None
+    with pytest.raises(ConfigError, match="decode_follows_prefill: expected true or false"):
+        config(decode_follows_prefill="yes")
 
 
 def test_scale_down_stabilization_remembers_what_was_needed() -> None:
@@ -758,3 +760,50 @@ def test_a_consistent_rise_of_a_tiny_load_does_not_scale_ahead() -> None:
     assert last is not None and last.needed is not None and last.needed > 1  # the projection asked for more
     real = rise(0.3, 0.08)
     assert any(d.decode.action == "scale_up" for d in real), [d.decode.reason for d in real]
+
+
+def _decode_light_while_prefill_grows(**over: Any) -> Sim:
+    """Decode has wanted down for a while (0.4 engines on 4 replicas); then prompts flood prefill, whose
+    scale-up takes 6 ticks to land, and decode's light load stays as it was."""
+    cfg = config(scale_down_window_s=10.0, scale_down_stabilization_s=0.0, **over)
+    sim = Sim(cfg, prefill=1, decode=4, delay=6)
+    run(sim, 1, lambda i: (0.05, 0.4))  # decode starts wanting down
+    run(sim, 16, lambda i: (3.0, 0.4))  # prefill steps up to its maximum, then its replicas start
+    return sim
+
+
+def test_decode_does_not_scale_down_while_prefill_scales_up() -> None:
+    """The fleet scale at 60 s cold start released a decode replica 5 s into its step to 200 req/s and asked
+    for 28 more 70 s later: in disaggregated serving, prefill's new prompts are decode's next work."""
+    sim = _decode_light_while_prefill_grows()
+    assert sim.history[1].prefill.action == "scale_up", sim.history[1].prefill.reason
+    # The ticks prefill asks for replicas or waits for them to start.
+    rising = [d for d in sim.history[1:] if d.prefill.desired > d.prefill.current]
+    assert len(rising) >= 6
+    assert all(d.decode.action == "hold" for d in rising), [d.decode.reason for d in rising]
+    held = [d for d in rising if d.decode.signals.prefill_rising_to is not None]
+    assert held, [d.decode.reason for d in rising]
+    for d in held:  # the target prefill is asked for or starting, that tick
+        assert d.decode.signals.prefill_rising_to == d.prefill.desired > 1, (d.prefill, d.decode.reason)
+        assert f"prefill is scaling up to {d.prefill.desired}" in d.decode.reason, d.decode.reason
+    # Once prefill has landed (and asks for no more), decode's usual scale-down follows, window and all.
+    landed = sim.history.index(rising[-1]) + 1
+    assert sim.prefill == 4
+    assert any(d.decode.action == "scale_down" for d in sim.history[landed:]), [
+        d.decode.reason for d in sim.history
+    ]
+
+
+def test_decode_follows_prefill_can_be_turned_off() -> None:
+    sim = _decode_light_while_prefill_grows(decode_follows_prefill=False)
+    rising = [d for d in sim.history[1:] if d.prefill.desired > d.prefill.current]
+    assert any(d.decode.action == "scale_down" for d in rising)
+    assert all(d.decode.signals.prefill_rising_to is None for d in sim.history)
+
+
+def test_decode_above_its_maximum_steps_down_while_prefill_scales_up() -> None:
+    """Bounds are not the sizing's: a decode pool over max_replicas steps down whatever prefill does."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 2})
+    sim = run(Sim(cfg, prefill=1, decode=4, delay=6), 3, lambda i: (3.0, 0.4))
+    assert sim.history[0].prefill.action == "scale_up"
+    assert sim.history[0].decode.action == "scale_down"

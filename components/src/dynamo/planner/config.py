@@ -158,6 +158,9 @@ class PlannerConfig:
     # Decode: a scale-up that took at least this long to land and then finds its load gone (a burst
     # shorter than the startup) is not held by that window (None: always held; docs/planner.md).
     late_landing_s: float | None = 30.0
+    # Disaggregated: while the prefill pool scales up (asked for or still starting), decode does not scale
+    # down; the prompts prefill takes on become decode work a prefill later (docs/planner.md).
+    decode_follows_prefill: bool = True
     # A pool with no work at all for this long steps down to its minimum (one step per interval).
     idle_window_s: float = 30.0
     # An action not completed by then is abandoned: the planner accepts what is running and moves on.

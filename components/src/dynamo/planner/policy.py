@@ -133,6 +133,7 @@ class Signals:
     slot_load_max: float | None = None
     held_slope: float | None = None  # ``decode_trend: held``: the slope sized for, engines per second
     late_landing_from: int | None = None  # a scale-up from this many landed after its load: needs forgotten
+    prefill_rising_to: int | None = None  # a scale-down held: prefill is scaling up to this many replicas
     # Prefill.
     queued_prefill_tokens: int | None = None
     engine_rate_tok_s: float | None = None
@@ -983,6 +984,32 @@ def apply_interval_guard(
             d.desired, d.action = d.replicas, "hold"
 
 
+def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
+    """While the prefill pool scales up (asked for now, or still starting), decode does not scale down.
+
+    In disaggregated serving every prompt prefill takes on becomes decode work one prefill later, so a
+    prefill scale-up says arrivals rose before the decode engines' records can. The fleet scale at 60 s
+    cold start released a decode replica 5 s into its step to 200 req/s and asked for 28 more 70 s later.
+    Only the sizing's scale-downs (load, idle) are held: bounds, abandoned actions and rebalances are not.
+    """
+    if not cfg.decode_follows_prefill:
+        return
+    pre, dec = drafts["prefill"], drafts["decode"]
+    fl = pre.st.in_flight
+    if pre.action == "scale_up":
+        to: int | None = pre.desired
+    elif fl is not None and fl.target > fl.previous:
+        to = fl.target
+    else:
+        return
+    if dec.action != "scale_down" or dec.sizing is None or dec.sizing.want not in ("down", "idle"):
+        return
+    dec.desired, dec.action = dec.pool.replicas, "hold"
+    dec.reason += f"; held: prefill is scaling up to {to} (decode work follows)"
+    dec.signals = replace(dec.signals, prefill_rising_to=to)
+    dec.st = replace(dec.st, down_since=None, idle_since=None)
+
+
 def _holding(d: Draft) -> int:
     """Replicas that may hold GPUs before this decision: a draining scale-down still holds its old count."""
     n = max(d.pool.replicas, d.pool.workers, d.replicas)
@@ -1051,6 +1078,7 @@ def decide(obs: Observation, state: PolicyState, cfg: PlannerConfig) -> tuple[De
     drafts = {name: draft_pool(name, obs, state.pool(name), cfg) for name in POOLS}
     now = obs.now
     apply_interval_guard(drafts, state, cfg, now)
+    apply_decode_follows_prefill(drafts, cfg)
     apply_budget(drafts, cfg)
     decisions: dict[PoolName, PoolDecision] = {}
     new_state = state
