@@ -807,3 +807,19 @@ def test_decode_above_its_maximum_steps_down_while_prefill_scales_up() -> None:
     sim = run(Sim(cfg, prefill=1, decode=4, delay=6), 3, lambda i: (3.0, 0.4))
     assert sim.history[0].prefill.action == "scale_up"
     assert sim.history[0].decode.action == "scale_down"
+
+
+def test_a_backlog_on_one_engine_that_the_pool_carries_is_not_called_within_thresholds() -> None:
+    """The idle gap at 60 s cold start: the first engine's backlog (load 3.5) stays on it under round-robin
+    routing while 6 replicas carry the pool's demand; the log said "load 3.50 within [0.6, 1]"."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    backlog = rec("d0", s_decode=8, s_decode_kv=KV, q_decode=20, q_decode_kv=int(2.5 * KV))
+    light = [rec(f"d{i}", s_decode=1, s_decode_kv=int(0.1 * KV)) for i in range(1, 6)]
+    d, _ = decide(obs(0.0, [rec("p0")], [backlog, *light]), PolicyState(), cfg)
+    assert d.decode.action == "hold", d.decode.reason
+    assert "load 3.50 over 1 on its busiest engine" in d.decode.reason, d.decode.reason
+    assert "fits 6 replicas at 0.85" in d.decode.reason and "within" not in d.decode.reason
+    # Without the backlog, the same pool is within its thresholds and says so.
+    even = [rec(f"d{i}", s_decode=4, s_decode_kv=int(0.7 * KV)) for i in range(6)]
+    d, _ = decide(obs(0.0, [rec("p0")], even), PolicyState(), cfg)
+    assert "load 0.70 within [0.6, 1]" in d.decode.reason, d.decode.reason

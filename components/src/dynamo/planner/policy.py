@@ -580,6 +580,14 @@ def _size(
                 f"but on {remaining:g} engines it would be {cons:.2f} >= {limit:.2f}"
             )
         return sizing("steady", why + note)
+    if over and demand is not None:
+        # The busiest engine is over ``up`` (a backlog round-robin routing leaves where it is), but the
+        # pool's demand fits the replicas it has (and has asked for) at the target.
+        why = (
+            f"{name} load {mx:.2f} over {up:g} on its busiest engine, but a demand of {demand:.2f} engines "
+            f"fits {view.replicas} replicas at {target:g}"
+        )
+        return sizing("steady", why + note)
     return sizing("steady", f"{name} load {mx:.2f} within [{down:g}, {up:g}]{note}")
 
 
