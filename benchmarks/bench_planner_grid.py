@@ -103,7 +103,10 @@ def main() -> int:
     args = ap.parse_args()
     try:
         names = scenario_names(args.scenarios)
-        startups = [float(x) for x in args.startups.split(",")]
+        try:
+            startups = [float(x) for x in args.startups.split(",")]
+        except ValueError:
+            raise ValueError(f"--startups {args.startups!r}: expected seconds, comma-separated") from None
         axes = [parse_axis(a) for a in (args.grid or DEFAULT_GRID)]
         base = load_config_arg(args.config)
         points = [

@@ -196,7 +196,12 @@ def _check_file(path: Path) -> int:
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "scenario" in r for r in rows):
         print(f"--check {path}: not a list of rows written by --json", file=sys.stderr)
         return 2
-    print(report(check(rows)))
+    try:
+        checks = check(rows)
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"--check {path}: a row without a usable {exc}", file=sys.stderr)
+        return 2
+    print(report(checks))
     return 0
 
 

@@ -31,6 +31,8 @@ def _grid(*args: str) -> subprocess.CompletedProcess[str]:
         (["--grid", "projection_cap=x"], "projection_cap"),
         (["--grid", "decode_trend=sideways"], "decode_trend"),
         (["--grid", "projection_cap=2", "--scenarios", "nope"], "unknown scenario 'nope'"),
+        (["--grid", "projection_cap=2", "--startups", "x"], "--startups 'x': expected seconds"),
+        (["--grid", "projection_capp=2"], "projection_capp: unknown option"),
     ],
 )
 def test_bad_grids_exit_2_before_simulating(args: list[str], message: str) -> None:

@@ -148,7 +148,12 @@ def test_the_benchmark_judges_a_saved_run(tmp_path: Path) -> None:
     done = _bench("--check", str(saved))
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "acceptance: 3 of 4 targets met"
-    for bad, why in (("{not json", "Expecting"), ('{"a": 1}', "not a list of rows")):
+    lacking = json.dumps([{"scenario": "ramp", "startup_s": 60.0, "policy": "ours", "gpu_hours": 1.0}])
+    for bad, why in (
+        ("{not json", "Expecting"),
+        ('{"a": 1}', "not a list of rows"),
+        (lacking, "a row without a usable 'goodput_pct'"),
+    ):
         saved.write_text(bad)
         done = _bench("--check", str(saved))
         assert done.returncode == 2 and why in done.stderr and done.stdout == ""
