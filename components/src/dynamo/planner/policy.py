@@ -996,8 +996,7 @@ def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConf
     """While the prefill pool scales up (asked for now, or still starting), decode does not scale down.
 
     In disaggregated serving every prompt prefill takes on becomes decode work one prefill later, so a
-    prefill scale-up says arrivals rose before the decode engines' records can. The fleet scale at 60 s
-    cold start released a decode replica 5 s into its step to 200 req/s and asked for 28 more 70 s later.
+    prefill scale-up says arrivals rose before the decode engines' records can (numbers: docs/planner.md).
     Only the sizing's scale-downs (load, idle) are held: bounds, abandoned actions and rebalances are not.
     """
     if not cfg.decode_follows_prefill:
@@ -1005,7 +1004,7 @@ def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConf
     pre, dec = drafts["prefill"], drafts["decode"]
     fl = pre.st.in_flight
     if pre.action == "scale_up":
-        to: int | None = pre.desired
+        to = pre.desired
     elif fl is not None and fl.target > fl.previous:
         to = fl.target
     else:
