@@ -823,3 +823,14 @@ def test_a_backlog_on_one_engine_that_the_pool_carries_is_not_called_within_thre
     even = [rec(f"d{i}", s_decode=4, s_decode_kv=int(0.7 * KV)) for i in range(6)]
     d, _ = decide(obs(0.0, [rec("p0")], even), PolicyState(), cfg)
     assert "load 0.70 within [0.6, 1]" in d.decode.reason, d.decode.reason
+
+
+def test_an_aggregated_deployment_asking_for_a_prefill_replica_does_not_hold_decode() -> None:
+    """Aggregated workers with prefill's minimum left at 1: the bounds ask for a prefill replica that never
+    comes (no prefill workers publish), and decode's scale-downs must not wait for it."""
+    cfg = config(scale_down_window_s=0.0, decode={"min_replicas": 1, "max_replicas": 8})
+    light = [rec(f"a{i}", s_decode=1, s_decode_kv=int(0.05 * KV)) for i in range(4)]
+    d, _ = decide(obs(0.0, [], light, prefill_replicas=0), PolicyState(), cfg)
+    assert d.prefill.action == "scale_up", d.prefill.reason  # below min_replicas 1
+    assert d.decode.action == "scale_down", d.decode.reason
+    assert d.decode.signals.prefill_rising_to is None

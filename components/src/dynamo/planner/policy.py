@@ -997,11 +997,14 @@ def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConf
 
     In disaggregated serving every prompt prefill takes on becomes decode work one prefill later, so a
     prefill scale-up says arrivals rose before the decode engines' records can (numbers: docs/planner.md).
-    Only the sizing's scale-downs (load, idle) are held: bounds, abandoned actions and rebalances are not.
+    Only the sizing's scale-downs (load, idle) are held: bounds, abandoned actions and rebalances are not;
+    and only while prefill workers publish (an aggregated deployment has none to scale).
     """
     if not cfg.decode_follows_prefill:
         return
     pre, dec = drafts["prefill"], drafts["decode"]
+    if pre.pool.workers == 0:
+        return
     fl = pre.st.in_flight
     if pre.action == "scale_up":
         to = pre.desired
