@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dynamo_fpm_testing.planner_support import run_benchmark
 
 pytestmark = pytest.mark.runtime
 
@@ -16,12 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _grid(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_planner_grid.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_benchmark(ROOT / "benchmarks" / "bench_planner_grid.py", *args, timeout=300)
 
 
 @pytest.mark.parametrize(

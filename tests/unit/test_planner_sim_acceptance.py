@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dynamo.planner.sim.acceptance import allowed_flips, check, load_peaks, report
 from dynamo.planner.sim.scenarios import SCENARIOS, Phase, Scenario
+from dynamo_fpm_testing.planner_support import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,12 +134,7 @@ def test_report_lists_the_missed_first() -> None:
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_planner_outcomes.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_benchmark(ROOT / "benchmarks" / "bench_planner_outcomes.py", *args, timeout=120)
 
 
 def test_the_benchmark_judges_a_saved_run(tmp_path: Path) -> None:

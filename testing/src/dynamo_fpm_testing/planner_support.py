@@ -241,3 +241,10 @@ print("draining", wid, flush=True)
 pub.close()
 print("drained", wid, flush=True)
 """
+
+
+def run_benchmark(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A script of ``benchmarks/`` run as a user runs it (its own directory on sys.path), output captured."""
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout
+    )
