@@ -11,7 +11,7 @@ import pytest
 from dynamo.planner.config import ConfigError, PlannerConfig, config_from_mapping
 from dynamo.planner.observations import WorkerBook
 from dynamo.planner.policy import Decision, PolicyState, decide
-from dynamo_fpm_testing.planner_support import CAP, KV, config, heartbeat, obs, pool, rec
+from dynamo_fpm_testing.planner_support import CAP, KV, WATCHING, config, heartbeat, obs, pool, rec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -177,7 +177,7 @@ def test_consolidation_removes_all_ranks_of_a_worker() -> None:
     cfg = config(scale_down_window_s=0.0)
     # Four engines at 0.35: spread over the two engines left after removing a worker -> 0.7 < 0.8.
     low = [rec(f"d{w}", dp_rank=r, s_decode=1, s_decode_kv=3500) for w in range(2) for r in range(2)]
-    d, _ = decide(obs(0.0, [heartbeat("p0")], low), PolicyState(), cfg)
+    d, _ = decide(obs(0.0, [heartbeat("p0")], low), WATCHING, cfg)
     assert d.decode.action == "scale_down" and "on 2 engines 0.70" in d.decode.reason
     # At 0.45 each, two engines would carry 0.9 >= 0.8: stay (with 3 engines it would wrongly look fine).
     mid = [rec(f"d{w}", dp_rank=r, s_decode=1, s_decode_kv=4500) for w in range(2) for r in range(2)]
@@ -396,10 +396,34 @@ def test_scale_down_needs_a_sustained_window() -> None:
     cfg = config(scale_down_window_s=20.0)
     # Demand dips for 3 ticks (15 s) then returns: no scale-down.
     load = [(0.05, 0.4)] * 3 + [(0.05, 1.4)] * 2 + [(0.05, 0.4)] * 3 + [(0.05, 1.4)]
-    sim = run(Sim(cfg, prefill=1, decode=2), len(load), lambda i: load[i])
+    sim = run(Sim(cfg, prefill=1, decode=2, state=WATCHING), len(load), lambda i: load[i])
     assert sim.decode == 2 and all(d.decode.action == "hold" for d in sim.history)
-    sim = run(Sim(cfg, prefill=1, decode=2), 8, lambda i: (0.05, 0.4))
+    sim = run(Sim(cfg, prefill=1, decode=2, state=WATCHING), 8, lambda i: (0.05, 0.4))
     assert sim.decode == 1
+
+
+def test_the_first_look_holds_the_fleet_it_found_for_the_stabilization() -> None:
+    """A planner that starts (or restarts) on a fleet larger than today's load needs does not trim it before
+    one stabilization window has passed (the HPA seeds its recommendations with the current count): it knows
+    nothing of the load before it. Measured: the fleet scale's prefill no longer trims 12 -> 9 before its
+    peak only to ask for 41 (docs/planner.md)."""
+    cfg = config(scale_down_window_s=10.0, decode={"min_replicas": 1, "max_replicas": 8})
+    sim = run(Sim(cfg, prefill=1, decode=4), 12, lambda i: (0.05, 0.4))  # 55 s of light load on 4 replicas
+    assert sim.decode == 4 and all(d.decode.action == "hold" for d in sim.history)
+    why = sim.history[-1].decode.reason
+    assert "the 4 replicas found at the planner's first look 55s ago (stabilization)" in why, why
+    assert (sim.state.decode.first_look_at, sim.state.prefill.first_look_at) == (0.0, 0.0)
+    # Past the window (300 s from the first look), the usual scale-down follows, one step per window.
+    sim.t = 305.0
+    run(sim, 4, lambda i: (0.05, 0.4))
+    assert sim.decode == 3, sim.history[-1].decode.reason
+    # Without a stabilization window there is nothing to hold: the first look changes nothing. (An idle pool
+    # is not held either: test_zero_traffic_returns_both_pools_to_minimum starts from a fresh state.)
+    unheld = config(scale_down_window_s=10.0, scale_down_stabilization_s=0.0)
+    sim = run(Sim(unheld, prefill=1, decode=4), 3, lambda i: (0.05, 0.4))
+    assert [d.decode.action for d in sim.history] == ["hold", "hold", "scale_down"], sim.history[
+        -1
+    ].decode.reason
 
 
 def test_replica_that_never_becomes_ready_is_abandoned() -> None:
@@ -596,7 +620,7 @@ def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:
     assert d.decode.action != "scale_down", d.decode.reason
     assert d.decode.sizing is not None and (d.decode.sizing.slope or 0.0) > 0
     # The same load, falling: steps down.
-    state = PolicyState()
+    state = WATCHING
     actions = []
     for i, t in enumerate(range(0, 30, 5)):
         per = 0.5 - 0.08 * i
@@ -830,7 +854,7 @@ def test_an_aggregated_deployment_asking_for_a_prefill_replica_does_not_hold_dec
     comes (no prefill workers publish), and decode's scale-downs must not wait for it."""
     cfg = config(scale_down_window_s=0.0, decode={"min_replicas": 1, "max_replicas": 8})
     light = [rec(f"a{i}", s_decode=1, s_decode_kv=int(0.05 * KV)) for i in range(4)]
-    d, _ = decide(obs(0.0, [], light, prefill_replicas=0), PolicyState(), cfg)
+    d, _ = decide(obs(0.0, [], light, prefill_replicas=0), WATCHING, cfg)
     assert d.prefill.action == "scale_up", d.prefill.reason  # below min_replicas 1
     assert d.decode.action == "scale_down", d.decode.reason
     assert d.decode.signals.prefill_rising_to is None

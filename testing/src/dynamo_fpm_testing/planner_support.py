@@ -21,6 +21,7 @@ from dynamo.common.ports import free_port
 from dynamo.common.process_group import start_in_own_session, terminate_group
 from dynamo.planner.config import PlannerConfig, config_from_mapping
 from dynamo.planner.observations import Capacity, EngineObs, Observation, PoolObs
+from dynamo.planner.policy import PolicyState, PoolState
 
 from dynamo_fpm_testing.stall_meter import Deadline
 
@@ -134,6 +135,11 @@ async def serve_with_card(
         runtime_config=rc,
     )
     return ep, serving
+
+
+# A planner that has watched its pools for longer than the scale-down stabilization: its first look (which
+# holds the fleet it found, ``rule_first_look``) is behind it. For tests of the other rules' scale-downs.
+WATCHING = PolicyState(PoolState(first_look_at=-1e9), PoolState(first_look_at=-1e9))
 
 
 def config(**over: Any) -> PlannerConfig:

@@ -4,6 +4,8 @@ No I/O, no clock (``Observation.now`` is passed in), no randomness, so every rul
 microseconds and replayable offline. Per pool, ordered rules (each a named function below, like the
 stages of Kubernetes' HPA) draft a decision; then the interval guard and the GPU budget apply to both:
 
+0. ``rule_first_look``: the fleet found at the planner's first decision is recorded as a need, so the
+   stabilization holds it (the HPA's initial recommendation).
 1. ``rule_in_flight``: replicas asked for and still starting are capacity to come (the pool sizes on
    top of them instead of waiting); a scale-down in flight holds; an action not done after
    ``action_timeout_s`` is given up and the pool asks for what is actually running.
@@ -73,6 +75,8 @@ class PoolState:
     held_trend: tuple[tuple[float, float], ...] = ()
     # The last scale-up's landing, for ``rule_late_landing``: (landed at, replicas before the ask).
     landed: tuple[float, int] | None = None
+    # When the pool's first decision recorded the fleet it found as a need (``rule_first_look``); None before.
+    first_look_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -715,6 +719,21 @@ def _lead(st: PoolState, cfg: PlannerConfig) -> float:
     return st.startup_s if st.startup_s is not None else cfg.expected_startup_s
 
 
+def rule_first_look(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
+    """A planner's first look records the fleet it found as a need, so the stabilization holds it.
+
+    A planner that has just started (or restarted) knows nothing of the load before it: the fleet it finds
+    is what the operator or its previous self sized. Like the HPA, which seeds its recommendations with the
+    current replica count, it scales that fleet down no sooner than ``scale_down_stabilization_s`` (idle
+    pools excepted: ``rule_idle`` does not read the needs).
+    """
+    if d.st.first_look_at is not None:
+        return
+    window = cfg.scale_down_stabilization_s
+    needs = _within(d.st.needs, window, obs.now, d.pool.replicas) if window > 0 else d.st.needs
+    d.st = replace(d.st, first_look_at=obs.now, needs=needs)
+
+
 def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
     """Starting replicas are capacity to come; a drain in flight holds; a stuck action is given up."""
     fl = d.st.in_flight
@@ -881,14 +900,16 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         d.hold(d.reason + "; " + s.why, replace(d.st, down_since=None), desired=d.replicas)
         return
     if s.want == "down":
-        recent = max((n for t, n in d.st.needs if now - t <= cfg.scale_down_stabilization_s), default=0)
+        window = cfg.scale_down_stabilization_s
+        held = [(t, n) for t, n in d.st.needs if now - t <= window]
+        recent = max((n for _, n in held), default=0)
         if recent >= cur:
-            d.hold(
-                s.why
-                + f"; {recent} replicas were needed within {cfg.scale_down_stabilization_s:g}s"
-                + " (stabilization)",
-                replace(d.st, down_since=None),
-            )
+            first = d.st.first_look_at
+            if first is not None and all(t == first for t, n in held if n == recent):
+                why = f"; the {recent} replicas found at the planner's first look {now - first:.0f}s ago"
+            else:
+                why = f"; {recent} replicas were needed within {window:g}s"
+            d.hold(s.why + why + " (stabilization)", replace(d.st, down_since=None))
             return
         if missing > 0:
             d.hold(
@@ -936,6 +957,7 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
         rejected_records=pool.rejected or None,
     )
     d = Draft(name, pool, st, pool.replicas, pool.replicas, "hold", "", sig)
+    rule_first_look(d, obs, cfg)
     rule_in_flight(d, obs, cfg)
     if d.done:
         return d
