@@ -343,6 +343,7 @@ class DemoRun:
             "final_replicas": v.final_replicas,
             "scaled_replica_took_load": v.took_load,
             "scaled_replica_worker": scaled.worker_id,
+            "scaled_replica_serving_s": scaled.serving_s,
             "scaled_replica_first_work_s": scaled.first_work_s,
             "scaled_replica_decode_share": scaled.decode_share,
             "burst": [b0, b1],
