@@ -153,7 +153,8 @@ class PlannerConfig:
     # A scale-down must have been wanted this long, without interruption, before it happens.
     scale_down_window_s: float = 30.0
     # Never below the most replicas the sizing asked for within this long (the HPA's scale-down
-    # stabilization window; an idle pool's records cannot say how close to saturation it is).
+    # stabilization window; an idle pool's records cannot say how close to saturation it is). The fleet
+    # found at the planner's first decision counts as asked for then (``rule_first_look``).
     scale_down_stabilization_s: float = 300.0
     # Decode: a scale-up that took at least this long to land and then finds its load gone (a burst
     # shorter than the startup) is not held by that window (None: always held; docs/planner.md).
