@@ -26,12 +26,13 @@ from bench_planner_outcomes import (
     CACHE,
     FLEET_LIMITS,
     load_cache,
+    run_ours,
     static_baseline,
     upstream_baseline,
 )
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.acceptance import Check, check
-from dynamo.planner.sim.harness import at_startup, simulate, trace_spec
+from dynamo.planner.sim.harness import at_startup, trace_spec
 from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 from upstream_planner.client import available as upstream_available
 
@@ -66,14 +67,6 @@ def point_config(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     for key, value in point.items():
         cfg = merge(cfg, _nested(key, value))
     return cfg
-
-
-def _run(job: tuple[str, float, str, dict[str, Any], float, float]) -> dict[str, Any]:
-    """One scenario at one cold start under one point's config (in a worker process)."""
-    name, startup, trace, cfg, ttft, itl = job
-    spec = at_startup(trace_spec(Path(trace), SCENARIOS[name].initial, 0.0, ttft, itl), startup)
-    summary = simulate(spec, config_from_mapping(cfg))["summary"]
-    return {"scenario": name, "startup_s": startup, "policy": "ours", **summary}
 
 
 def _label(point: dict[str, Any]) -> str:
@@ -149,7 +142,7 @@ def main() -> int:
             jobs = [
                 (n, st, traces[n], cfg, args.sla_ttft_ms, args.sla_itl_ms) for n in names for st in startups
             ]
-            runs = list(pool.map(_run, jobs))
+            runs = list(pool.map(run_ours, jobs))
             checks = check(baselines + runs)
             met = sum(c.met for c in checks)
             print(

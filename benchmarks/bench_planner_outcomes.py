@@ -4,9 +4,11 @@ For every scenario of ``dynamo.planner.sim.scenarios`` (seeded traces) and cold 
 planner (``python -m dynamo.planner simulate``'s harness), upstream Dynamo 1.6.1's load-based planner
 (isolated environment: ``make upstream-planner-env``; it uses import-only stand-ins for aisimulate,
 which load-based scaling does not call) and finds the cheapest static N+N fleet reaching 95% goodput.
-Prints one row per (scenario, cold start, policy); ``--json`` writes every summary.
+Prints one row per (scenario, cold start, policy); ``--json`` writes every summary. Our planner's runs go to
+``--jobs`` worker processes while the main process searches the static fleets and runs upstream's planner.
 
-    python benchmarks/bench_planner_outcomes.py [--scenarios a,b] [--startups 0,60,180] [--no-upstream]
+    python benchmarks/bench_planner_outcomes.py [--scenarios a,b] [--startups 0,60,180] [--no-upstream] \
+        [--jobs N]
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dynamo.planner.config import config_from_mapping, load_config_arg, merge
+from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.acceptance import check, report
 from dynamo.planner.sim.baselines import cheapest_static
 from dynamo.planner.sim.harness import SimSpec, at_startup, simulate, trace_spec
@@ -48,6 +52,15 @@ def row(scenario: str, start: str, policy: str, s: dict[str, Any], static_gpu_h:
         f"{ttft:>9} {itl:>8} {s.get('scaling_actions', 0):>7} {s.get('direction_flips', 0):>5} "
         f"{s.get('planner_wall_s', 0.0):>9.2f} {s.get('simulator_wall_s', s.get('wall_s', 0.0)):>7.2f}"
     )
+
+
+def run_ours(job: tuple[str, float, str, dict[str, Any], float, float]) -> dict[str, Any]:
+    """Our planner on one scenario at one cold start, as a row (in a worker process): (scenario, cold start,
+    trace path, config mapping, SLA TTFT ms, SLA ITL ms)."""
+    name, startup, trace, cfg, ttft, itl = job
+    spec = at_startup(trace_spec(Path(trace), SCENARIOS[name].initial, 0.0, ttft, itl), startup)
+    summary = simulate(spec, config_from_mapping(cfg))["summary"]
+    return {"scenario": name, "startup_s": startup, "policy": "ours", **summary}
 
 
 def _key(trace: Path, spec: SimSpec) -> str:
@@ -127,6 +140,12 @@ def main() -> int:
     ap.add_argument("--sla-itl-ms", type=float, default=50.0)
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's planner")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="our planner's runs in parallel (default: cores)",
+    )
     ap.add_argument("--json", help="write every summary to this file")
     ap.add_argument(
         "--check",
@@ -141,16 +160,64 @@ def main() -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    startups = [float(x) for x in args.startups.split(",")]
-    cfg = config_from_mapping(merge(FLEET_LIMITS, load_config_arg(args.config)))
+    if args.jobs < 1:
+        print(f"--jobs {args.jobs}: expected 1 or more", file=sys.stderr)
+        return 2
+    try:
+        startups = [float(x) for x in args.startups.split(",")]
+    except ValueError:
+        print(f"--startups {args.startups!r}: expected seconds, comma-separated", file=sys.stderr)
+        return 2
+    try:
+        mapping = merge(FLEET_LIMITS, load_config_arg(args.config))
+        config_from_mapping(mapping)  # a bad config fails here, before any simulation
+    except (ValueError, ConfigError) as exc:
+        print(f"--config: {exc}", file=sys.stderr)
+        return 2
     upstream_reason = "--no-upstream" if args.no_upstream else upstream_available()
     if upstream_reason:
         print(f"upstream planner skipped: {upstream_reason}", file=sys.stderr)
     cache, cache_file = load_cache()
     results: list[dict[str, Any]] = []
+    traces = {n: write_trace(n, CACHE / f"{n}-{args.seed}.jsonl", seed=args.seed) for n in names}
+    pool = ProcessPoolExecutor(max_workers=args.jobs)
+    # Every run of ours starts now; the loop below prints them in order as the baselines come.
+    ours_runs: dict[tuple[str, float], Future[dict[str, Any]]] = {
+        (n, st): pool.submit(run_ours, (n, st, str(traces[n]), mapping, args.sla_ttft_ms, args.sla_itl_ms))
+        for n in names
+        for st in startups
+    }
     print(HEADER)
+    try:
+        _report_rows(names, startups, traces, ours_runs, upstream_reason, cache, cache_file, args, results)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    if not upstream_reason:
+        print(
+            "* upstream Dynamo 1.6.1's load-based planner; aisimulate replaced by import-only stand-ins "
+            "(unused)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print()
+    print(report(check(results)))
+    return 0
+
+
+def _report_rows(
+    names: list[str],
+    startups: list[float],
+    traces: dict[str, Path],
+    ours_runs: dict[tuple[str, float], Future[dict[str, Any]]],
+    upstream_reason: str | None,
+    cache: dict[str, Any],
+    cache_file: Path,
+    args: argparse.Namespace,
+    results: list[dict[str, Any]],
+) -> None:
+    """Per scenario: its static fleet, then ours and upstream's at each cold start, printed as they come."""
     for name in names:
-        trace = write_trace(name, CACHE / f"{name}-{args.seed}.jsonl", seed=args.seed)
+        trace = traces[name]
         base = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms)
         t0 = time.perf_counter()
         found = static_baseline(trace, base, cache, cache_file)
@@ -163,27 +230,16 @@ def main() -> int:
         else:
             print(f"{name:<15} {'-':>5}  no static fleet up to 128+128 reaches 95%")
         for startup in startups:
-            spec = at_startup(base, startup)
-            ours = simulate(spec, cfg)["summary"]
+            ours = ours_runs[(name, startup)].result()
             print(row(name, f"{startup:g}", "ours", ours, static_gpu_h), flush=True)
-            results.append({"scenario": name, "startup_s": startup, "policy": "ours", **ours})
+            results.append(ours)
             if upstream_reason:
                 continue
-            up = upstream_baseline(name, trace, spec, startup, cache, cache_file)
+            up = upstream_baseline(name, trace, at_startup(base, startup), startup, cache, cache_file)
             if up is None:
                 continue
             print(row(name, f"{startup:g}", "upstream 1.6.1*", up, static_gpu_h), flush=True)
             results.append({"scenario": name, "startup_s": startup, "policy": "upstream-1.6.1", **up})
-    if not upstream_reason:
-        print(
-            "* upstream Dynamo 1.6.1's load-based planner; aisimulate replaced by import-only stand-ins "
-            "(unused)"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    print()
-    print(report(check(results)))
-    return 0
 
 
 def _check_file(path: Path) -> int:
