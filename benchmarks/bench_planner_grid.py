@@ -22,17 +22,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench_planner_outcomes import (
-    CACHE,
-    FLEET_LIMITS,
-    load_cache,
-    run_ours,
-    static_baseline,
-    upstream_baseline,
-)
+from bench_planner_outcomes import CACHE, load_cache, static_baseline, upstream_baseline
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.acceptance import Check, check
 from dynamo.planner.sim.harness import at_startup, trace_spec
+from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, planner_row
 from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 from upstream_planner.client import available as upstream_available
 
@@ -63,7 +57,7 @@ def _nested(key: str, value: Any) -> dict[str, Any]:
 
 
 def point_config(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    cfg = merge(FLEET_LIMITS, base)
+    cfg = merge(SUITE_FLEET_LIMITS, base)
     for key, value in point.items():
         cfg = merge(cfg, _nested(key, value))
     return cfg
@@ -142,7 +136,7 @@ def main() -> int:
             jobs = [
                 (n, st, traces[n], cfg, args.sla_ttft_ms, args.sla_itl_ms) for n in names for st in startups
             ]
-            runs = list(pool.map(run_ours, jobs))
+            runs = [f.result() for f in [pool.submit(planner_row, *job) for job in jobs]]
             checks = check(baselines + runs)
             met = sum(c.met for c in checks)
             print(

@@ -26,15 +26,14 @@ from typing import Any
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.acceptance import check, report
 from dynamo.planner.sim.baselines import cheapest_static
-from dynamo.planner.sim.harness import SimSpec, at_startup, simulate, trace_spec
+from dynamo.planner.sim.harness import SimSpec, at_startup, trace_spec
+from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, planner_row
 from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 from upstream_planner.client import available as upstream_available
 from upstream_planner.client import run_upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "bench-planner-outcomes"
-# Fleet limits for every policy: room for the fleet-scale scenario.
-FLEET_LIMITS = {"prefill": {"max_replicas": 64}, "decode": {"max_replicas": 64}}
 UPSTREAM_CONFIG = {"max_gpu_budget": 128}
 HEADER = (
     f"{'scenario':<15} {'start':>5}  {'policy':<16} {'goodput':>8} {'GPU-h':>7} {'xstatic':>7} "
@@ -52,15 +51,6 @@ def row(scenario: str, start: str, policy: str, s: dict[str, Any], static_gpu_h:
         f"{ttft:>9} {itl:>8} {s.get('scaling_actions', 0):>7} {s.get('direction_flips', 0):>5} "
         f"{s.get('planner_wall_s', 0.0):>9.2f} {s.get('simulator_wall_s', s.get('wall_s', 0.0)):>7.2f}"
     )
-
-
-def run_ours(job: tuple[str, float, str, dict[str, Any], float, float]) -> dict[str, Any]:
-    """Our planner on one scenario at one cold start, as a row (in a worker process): (scenario, cold start,
-    trace path, config mapping, SLA TTFT ms, SLA ITL ms)."""
-    name, startup, trace, cfg, ttft, itl = job
-    spec = at_startup(trace_spec(Path(trace), SCENARIOS[name].initial, 0.0, ttft, itl), startup)
-    summary = simulate(spec, config_from_mapping(cfg))["summary"]
-    return {"scenario": name, "startup_s": startup, "policy": "ours", **summary}
 
 
 def _key(trace: Path, spec: SimSpec) -> str:
@@ -169,7 +159,7 @@ def main() -> int:
         print(f"--startups {args.startups!r}: expected seconds, comma-separated", file=sys.stderr)
         return 2
     try:
-        mapping = merge(FLEET_LIMITS, load_config_arg(args.config))
+        mapping = merge(SUITE_FLEET_LIMITS, load_config_arg(args.config))
         config_from_mapping(mapping)  # a bad config fails here, before any simulation
     except (ValueError, ConfigError) as exc:
         print(f"--config: {exc}", file=sys.stderr)
@@ -183,7 +173,7 @@ def main() -> int:
     pool = ProcessPoolExecutor(max_workers=args.jobs)
     # Every run of ours starts now; the loop below prints them in order as the baselines come.
     ours_runs: dict[tuple[str, float], Future[dict[str, Any]]] = {
-        (n, st): pool.submit(run_ours, (n, st, str(traces[n]), mapping, args.sla_ttft_ms, args.sla_itl_ms))
+        (n, st): pool.submit(planner_row, n, st, str(traces[n]), mapping, args.sla_ttft_ms, args.sla_itl_ms)
         for n in names
         for st in startups
     }

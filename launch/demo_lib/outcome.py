@@ -62,12 +62,9 @@ class ScaledReplica:
     @property
     def took_load(self) -> bool:
         ready, share = self.ready_s, self.decode_share
+        # No share without a first work; no readiness without a decision.
         return (
-            ready is not None
-            and self.first_work_s is not None
-            and share is not None
-            and ready <= READY_LIMIT_S
-            and share >= MIN_DECODE_SHARE
+            ready is not None and share is not None and ready <= READY_LIMIT_S and share >= MIN_DECODE_SHARE
         )
 
 

@@ -5,21 +5,19 @@ against the cheapest static fleet that ``benchmarks/bench_planner_outcomes.py`` 
 here, so the test does not repeat the search). The simulator runs on a virtual clock, so the outcome does not
 depend on the machine: a policy change that loses a target fails here, and so does one that meets a target
 the docs still count as missed (update the docs' verdict and ``DOCUMENTED_MISSES`` together). About a
-minute and a half on 2 cores, three quarters of it the fleet scale.
+minute on 2 cores in two processes, most of it the fleet scale.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from dynamo.planner.config import config_from_mapping
 from dynamo.planner.sim.acceptance import check
-from dynamo.planner.sim.harness import at_startup, simulate, trace_spec
-from dynamo.planner.sim.scenarios import SCENARIOS, write_trace
+from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, planner_row, static_row
+from dynamo.planner.sim.scenarios import write_trace
 
 pytestmark = pytest.mark.runtime
 
@@ -34,8 +32,6 @@ CHEAPEST_STATIC = {
     "slow-wave": 5,
     "fleet-scale": 40,
 }
-# The bench's fleet limits for every policy (room for the fleet scale).
-FLEET_LIMITS = {"prefill": {"max_replicas": 64}, "decode": {"max_replicas": 64}}
 # docs/planner-evaluation.md, "The verdict": (scenario, cold start, target) of every target missed.
 DOCUMENTED_MISSES = {
     ("opposite-shift", 60.0, "goodput"),
@@ -48,13 +44,9 @@ DOCUMENTED_MISSES = {
 def _run(job: tuple[str, str, float | None]) -> dict[str, Any]:
     """One row as the bench writes it: the scenario's static fleet (cold start None) or our planner."""
     name, trace, startup = job
-    base = trace_spec(Path(trace), SCENARIOS[name].initial, 0.0, 2000.0, 50.0)
     if startup is None:
-        n = CHEAPEST_STATIC[name]
-        summary = simulate(replace(base, static=(n, n)), None)["summary"]
-        return {"scenario": name, "startup_s": None, "policy": f"static {n}+{n}", **summary}
-    summary = simulate(at_startup(base, startup), config_from_mapping(FLEET_LIMITS))["summary"]
-    return {"scenario": name, "startup_s": startup, "policy": "ours", **summary}
+        return static_row(name, trace, CHEAPEST_STATIC[name])
+    return planner_row(name, startup, trace, SUITE_FLEET_LIMITS)
 
 
 def test_the_default_policy_meets_every_target_the_docs_say_it_meets(tmp_path: Path) -> None:
