@@ -123,11 +123,14 @@ async def test_requests_waiting_for_real_transfers_are_queued_decode_then_schedu
     prefill, decode_engine = _unpaired_prefill(engines, "prefill-fpm"), engines["decode"]
     engines["paired"] = True
     records: list[tuple[float, ForwardPassMetrics]] = []
+    sent_ms: list[int] = []  # each record's envelope.published_at: when the engine's sender wrote it
 
     async def on_msg(msg: Any) -> None:
-        record = decode(decode_envelope(msg.data).payload)
+        envelope = decode_envelope(msg.data)
+        record = decode(envelope.payload)
         if record is not None and record.worker_id == WORKER_ID:
             records.append((time.monotonic(), record))
+            sent_ms.append(envelope.published_at)
 
     nc = await nats.connect(nats_server.url)
     try:
@@ -175,20 +178,20 @@ async def test_requests_waiting_for_real_transfers_are_queued_decode_then_schedu
             and q.num_prefill_requests == 0
         )
 
-    window = [(t, r) for t, r in records if t_submit <= t <= t_resume]
+    in_window = [i for i, (t, _) in enumerate(records) if t_submit <= t <= t_resume]
+    window = [records[i] for i in in_window]
     assert window, f"no records while the requests waited ({len(records)} in all)"
     first_parked = next((t for t, r in window if parked(r)), None)
     assert first_parked is not None, [r.queued_requests for _, r in window]
     # Timings in the machine's running time (``dynamo_fpm_testing.stall_meter``): the VM may stop every
-    # process for seconds. 1.5 s, as for a gap below: well inside the planner's 5 s interval.
+    # process for seconds. The engine snapshots its queue every DYN_FPM_SNAPSHOT_INTERVAL (0.25 s); the
+    # first record shows one parked request, the next snapshot all three (measured: 0.26 s after submit).
+    # 1.5 s, as for a gap below: well inside the planner's 5 s interval.
     assert running_s(t_submit, first_parked) < 1.5, (
         f"first queued-decode record {first_parked - t_submit:.2f}s after submit"
     )
-    # For as long as they wait: every record says so, and records keep coming. The engine snapshots its
-    # queue every DYN_FPM_SNAPSHOT_INTERVAL (0.25 s); on this project's 2-core CI machine a record was once
-    # seen 1.03 s after the one before (engines, NATS and this process on two cores), so the bound on a
-    # gap is 1.5 s and the count is what says "no silence": without the snapshots the wait (about 2 s
-    # after the first record) brings at most a record or two.
+    # For as long as they wait: every record says so, and records keep coming. The bound on a gap at the
+    # receiver is the planner's (1.5 s); this process, NATS and the engines share two cores on CI.
     steady = [(t, r) for t, r in window if t >= first_parked]
     assert all(parked(r) for _, r in steady), [r.queued_requests for _, r in steady if not parked(r)]
     times = [first_parked] + [t for t, _ in steady] + [t_resume]
@@ -196,6 +199,13 @@ async def test_requests_waiting_for_real_transfers_are_queued_decode_then_schedu
     what = f"(start after submit, running s) of each gap: {gaps}"
     assert len(steady) >= 4, what
     assert max(g for _, g in gaps) < 1.5, what
+    # The engine's sender wrote each snapshot on its own, as it was made (published_at, the sender's
+    # clock; the receiver's delays do not count). An engine loop stepping only parked requests used to keep
+    # the sender from the GIL until the next snapshot: two went out in one write, 0.1-0.25 s late, and
+    # once the first with all three requests reached CI's receiver 1.62 s after submit. The scheduler now
+    # hands each snapshot over (``wait_sent``).
+    steady_sent = [sent_ms[i] for i in in_window if records[i][0] >= first_parked]
+    assert min(b - a for a, b in itertools.pairwise(steady_sent)) >= 150, f"sent at (ms): {steady_sent}"
     # Once the KV arrived: scheduled as decode, nothing queued.
     after = [r for t, r in records if t > t_resume]
     promoted = [r for r in after if r.scheduled_requests.num_decode_requests == 3]

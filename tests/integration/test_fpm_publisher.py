@@ -8,6 +8,7 @@ import os
 import resource
 import socket
 import ssl
+import sys
 import threading
 import time
 from pathlib import Path
@@ -444,6 +445,79 @@ def test_flood_does_not_starve_the_sender(nats_server: EmbeddedNatsServer, write
     assert during >= 2_000, st
     assert st.published + st.dropped == offered and st.queued == 0
     assert st.dropped > 0  # the flood outran the sender: drops happened and were counted
+
+
+# A publishing process whose main thread holds the GIL after each record (a 0.5 s switch interval and a
+# pure-Python spin), as an engine loop stepping only parked requests did (docs/fpm-core.md). Each
+# record carries its publish time (monotonic, the same clock in every process on Linux) in wall_time.
+_SPINNING_CALLER = """
+import sys, time
+from dynamo.common.forward_pass_metrics import ForwardPassMetrics
+from dynamo.common.fpm_publisher import FpmDirectPublisher
+url, hand_over = sys.argv[1], sys.argv[2] == "hand-over"
+pub = FpmDirectPublisher(
+    namespace="pubtest", component="spin", worker_id="w", nats_url=url, heartbeat_interval=60
+)
+deadline = time.monotonic() + 10
+while not pub.stats().connected and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.setswitchinterval(0.5)
+for i in range(5):
+    pub.publish(ForwardPassMetrics(worker_id="w", wall_time=time.monotonic()))
+    if hand_over:
+        assert pub.wait_sent(0.2)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+sys.setswitchinterval(0.005)
+pub.close()
+"""
+
+
+@pytest.mark.parametrize("hand_over", [True, False], ids=["hand-over", "control"])
+async def test_wait_sent_gets_a_record_out_past_a_caller_that_keeps_the_gil(
+    nats_server: EmbeddedNatsServer, hand_over: bool
+) -> None:
+    """With ``wait_sent`` each record is on the wire within milliseconds; without, it waits for the spin."""
+    col = await Collector(nats_server.url, fpm_subject(NS, "spin")).start()
+    try:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _SPINNING_CALLER, nats_server.url, "hand-over" if hand_over else "control"
+        )
+        assert await asyncio.wait_for(child.wait(), 30) == 0
+        assert await wait_until(lambda: len(col.records(heartbeats=False)) >= 5)
+    finally:
+        await col.stop()
+    lags = sorted(item.at - item.record.wall_time for item in col.items if item.record is not None)
+    if hand_over:
+        assert lags[-1] < 0.1, lags  # measured: about 1 ms
+    else:
+        assert lags[len(lags) // 2] > 0.15, lags  # the control: this caller does starve the sender (0.3 s)
+
+
+async def test_wait_sent_without_records_or_connection_returns_at_once(
+    nats_server: EmbeddedNatsServer,
+) -> None:
+    """Nothing handed over: True at once. NATS unreachable: False at once, the record kept queued."""
+    pub = make_pub(nats_server.url, heartbeat_interval=60)
+    try:
+        t0 = time.perf_counter()
+        assert pub.wait_sent(5.0)
+        assert time.perf_counter() - t0 < 0.05
+        assert await wait_until(lambda: pub.stats().connected)
+        pub.publish(full_record())
+        assert pub.wait_sent(5.0) and pub.stats().published == 1
+    finally:
+        pub.close()
+    down = make_pub(f"nats://127.0.0.1:{free_port()}", heartbeat_interval=60)
+    try:
+        down.publish(full_record())
+        t0 = time.perf_counter()
+        assert not down.wait_sent(5.0)
+        assert time.perf_counter() - t0 < 0.05
+        assert down.stats().queued == 1
+    finally:
+        down.close(timeout=0.1)
 
 
 # ----------------------------------------------------------------------------- NATS options (auth, TLS)

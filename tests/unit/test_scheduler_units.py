@@ -235,6 +235,7 @@ def test_old_layout_is_scanned_and_skipped_waiting_counted() -> None:
     sched.update_from_output(out, None)
     rec = sched._fpm_pub.records[-1]
     assert rec.wall_time == 0.0 and rec.worker_id == "old"
+    assert sched._fpm_pub.handovers == [1]  # the snapshot is handed to the sender before the next step
     q = rec.queued_requests
     assert (q.num_prefill_requests, q.sum_prefill_tokens) == (1, 30)
     assert (q.num_decode_requests, q.sum_decode_kv_tokens, q.num_decode_kv_transfer_requests) == (1, 63, 1)

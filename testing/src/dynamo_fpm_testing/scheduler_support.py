@@ -309,10 +309,15 @@ class ListPublisher:
         self.records: list[Any] = []
         self.idle_record: Any = "initial"
         self.idle_changes: list[Any] = []
+        self.handovers: list[int] = []  # len(records) at each wait_sent()
         self.closed = False
 
     def publish(self, record: Any) -> None:
         self.records.append(record)
+
+    def wait_sent(self, timeout: float) -> bool:
+        self.handovers.append(len(self.records))
+        return True
 
     def set_idle_record(self, record: Any) -> None:
         self.idle_record = record

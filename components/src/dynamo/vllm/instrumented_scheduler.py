@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 _NO_IDS: frozenset[str] = frozenset()
 _MAX_PENDING = 16
+# After a queue snapshot the engine thread waits up to this long for the publisher to take it: a loop
+# stepping only parked requests can otherwise keep the sender from the GIL for seconds (docs/fpm-core.md).
+SNAPSHOT_HANDOVER_S = 0.01
 
 
 def _state_view(name: str, doc: str) -> Any:
@@ -339,6 +342,7 @@ class FpmInstrumentation(_SchedulerBase):
             s.last_publish = now
         elif now - s.last_publish >= s.snapshot_interval and self.requests:
             s.pub.publish(s.identity(s.queued(self, now)))
+            s.pub.wait_sent(SNAPSHOT_HANDOVER_S)
             s.counters.snapshots += 1
             s.last_publish = now
         s.last_update_start = t_start

@@ -179,6 +179,10 @@ class FpmDirectPublisher:
         self._parked = False
         self._wake = threading.Lock()  # held by the sender's side; publish() releases it to unpark
         self._wake.acquire()
+        # wait_sent(): callers waiting for the sender to take the records handed over so far.
+        self._sent = threading.Condition(threading.Lock())
+        self._sent_waiters = 0
+        self._handled = 0  # arrivals the sender has taken or counted as dropped
         self._close_deadline = 0.0
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -193,6 +197,32 @@ class FpmDirectPublisher:
         self._arrived_n = next(self._arrivals)
         if self._parked:  # only the first record after an idle spell wakes the sender
             self._unpark()
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Block (GIL released) until the sender has taken every record handed over so far.
+
+        Not for the hot path: for a caller about to spin without releasing the GIL, e.g. an engine
+        loop stepping requests that wait for remote KV. Such a loop can keep the sender from the GIL for
+        hundreds of milliseconds after each record (docs/fpm-core.md); waiting here hands it over.
+        False after ``timeout`` (NATS down, sender busy), never an exception.
+        """
+        target = self._arrived_n
+        if self._handled >= target or not self._connected:
+            return self._handled >= target
+        deadline = time.monotonic() + timeout
+        with self._sent:
+            self._sent_waiters += 1
+            try:
+                if self._parked:
+                    self._unpark()
+                while self._handled < target:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._sent.wait(left)
+            finally:
+                self._sent_waiters -= 1
+        return True
 
     def set_idle_record(self, record: ForwardPassMetrics | None) -> None:
         """What the idle heartbeat repeats; ``None`` suspends heartbeats."""
@@ -294,6 +324,7 @@ class FpmDirectPublisher:
                     await self._drain(nc)
                     if not self._direct:
                         await asyncio.sleep(0)  # let nats-py's flusher write the batch
+                    self._notify_sent()
                     last_sent = last_record = now
                 elif (
                     nc is not None
@@ -368,6 +399,13 @@ class FpmDirectPublisher:
         self._parked = False
         with contextlib.suppress(RuntimeError):  # already released by another caller
             self._wake.release()
+
+    def _notify_sent(self) -> None:
+        """Wake wait_sent() callers whose records are all taken (sent, or counted as lost)."""
+        self._handled = self._taken + self._overflow
+        if self._sent_waiters:
+            with self._sent:
+                self._sent.notify_all()
 
     async def _drain(self, nc: Any) -> None:
         """Publish up to BATCH_MAX queued records as one batch (``_send_batch``: one write on NATS).
