@@ -225,6 +225,8 @@ def test_zmq_frames_are_upstreams(upstream_dir: Path) -> None:
             time.sleep(0.01)
         assert len(frames) >= 3
         assert pub.stats().connected and pub.stats().last_error is None
+        pub.publish(full_record("w", seed=500))
+        assert pub.wait_sent(5.0) and pub.stats().queued == 0  # the snapshot hand-over works on ZMQ too
     finally:
         pub.close()
         sub.close(linger=0)
