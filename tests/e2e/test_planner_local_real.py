@@ -6,21 +6,18 @@ used to stop vLLM's engine under it and fail the request."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 from dynamo.common.ports import free_port
 from dynamo.planner.connector_local import LocalConnector
 from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+from dynamo_fpm_testing.stream_client import StreamingCompletion
 from dynamo_fpm_testing.worker_support import (
     ENGINE_FLAGS,
     base_env,
     model_ready,
-    sse_chunks,
     start_frontend,
     until,
 )
@@ -30,34 +27,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow, pytest.ma
 MODEL = "tiny"
 
 
-def _stream(base_url: str, result: dict[str, Any], started: threading.Event) -> None:
-    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 400, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    tokens, finish, chunks = 0, None, 0
-    try:
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=180) as r:
-            result["status"] = r.status_code
-            for chunk in sse_chunks(r.iter_lines()):
-                chunks += 1
-                for choice in chunk.get("choices", []):
-                    finish = choice.get("finish_reason") or finish
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if chunks >= 3:
-                    started.set()
-    except httpx.HTTPError as exc:
-        result["error"] = repr(exc)
-    result.update(tokens=tokens, finish=finish)
-    started.set()
-
-
-def _start_stream(base_url: str) -> tuple[dict[str, Any], threading.Thread]:
-    result: dict[str, Any] = {}
-    started = threading.Event()
-    thread = threading.Thread(target=_stream, args=(base_url, result, started))
-    thread.start()
-    assert started.wait(60), result
-    return result, thread
+def _start_stream(base_url: str) -> StreamingCompletion:
+    """400 tokens, read by a child process (a reader thread here could keep the event loop from the GIL)."""
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 400, "ignore_eos": True}
+    stream = StreamingCompletion(base_url, body, started_after_chunks=3)
+    assert stream.wait_started(60)
+    return stream
 
 
 async def test_promoted_standby_serves_and_a_scale_down_lets_its_request_finish(
@@ -97,10 +72,13 @@ async def test_promoted_standby_serves_and_a_scale_down_lets_its_request_finish(
 
         # Scale-down while a request streams, with no warm standby left: the worker is parked (it unregisters,
         # drains, stands by again) and the request finishes.
-        result, thread = _start_stream(base_url)
-        await c.apply(0, 0)
-        assert worker.role == "parking"
-        await asyncio.to_thread(thread.join, 180)
+        stream = _start_stream(base_url)
+        try:
+            await c.apply(0, 0)
+            assert worker.role == "parking"
+            result = await asyncio.to_thread(stream.result, 180)
+        finally:
+            stream.close()
         assert (result.get("status"), result.get("tokens"), result.get("finish")) == (200, 400, "length"), (
             result
         )
@@ -112,9 +90,12 @@ async def test_promoted_standby_serves_and_a_scale_down_lets_its_request_finish(
         # streams: the worker drains it and exits 0.
         await c.apply(0, 1)
         await until(lambda: model_ready(base_url, MODEL), "the parked worker never served again", 20)
-        result, thread = _start_stream(base_url)
-        await c.close()
-        await asyncio.to_thread(thread.join, 180)
+        stream = _start_stream(base_url)
+        try:
+            await c.close()
+            result = await asyncio.to_thread(stream.result, 180)
+        finally:
+            stream.close()
         assert (result.get("status"), result.get("tokens"), result.get("finish")) == (200, 400, "length"), (
             result
         )

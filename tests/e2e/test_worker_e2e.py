@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from dynamo.common.ports import free_port
 from dynamo_fpm_testing.metrics_docs import missing
 from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+from dynamo_fpm_testing.stream_client import StreamingCompletion
 from dynamo_fpm_testing.worker_support import (
     Proc,
     base_env,
@@ -449,40 +449,19 @@ def test_client_disconnect_aborts_the_request(stack: Stack) -> None:
 
 def test_sigterm_finishes_inflight_request_then_exits_0(stack: Stack) -> None:
     """Runs last: ends the module's worker. Unregisters at once, completes the stream, exits 0."""
-    result: dict[str, Any] = {}
-    started = threading.Event()
-
-    def consume() -> None:
-        body = {
-            "model": MODEL,
-            "prompt": PROMPTS[1],
-            "max_tokens": 600,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        chunks, tokens, finish = 0, 0, None
-        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=120) as r:
-            for chunk in sse_chunks(r.iter_lines()):
-                chunks += 1
-                for choice in chunk.get("choices", []):
-                    finish = choice.get("finish_reason") or finish
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if chunks >= 3:
-                    started.set()
-        result.update(tokens=tokens, finish=finish)
-
-    thread = threading.Thread(target=consume)
-    thread.start()
-    assert started.wait(60)
-    signalled = time.monotonic()
-    stack.worker.signal(15)
-    # No new work: the model leaves the frontend well before a lease could expire (~10 s).
-    wait_until(lambda: http_json(f"{stack.base_url}/v1/models")[1]["data"] == [], timeout=5)
-    unlisted_after = time.monotonic() - signalled
-    thread.join(120)
-    assert result == {"tokens": 600, "finish": "length"}, result
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 600, "ignore_eos": True}
+    stream = StreamingCompletion(stack.base_url, body, started_after_chunks=3)  # a child process reads it
+    try:
+        assert stream.wait_started(60)
+        signalled = time.monotonic()
+        stack.worker.signal(15)
+        # No new work: the model leaves the frontend well before a lease could expire (~10 s).
+        wait_until(lambda: http_json(f"{stack.base_url}/v1/models")[1]["data"] == [], timeout=5)
+        unlisted_after = time.monotonic() - signalled
+        result = stream.result(120)
+    finally:
+        stream.close()
+    assert (result["tokens"], result["finish"]) == (600, "length"), result
     assert stack.worker.wait(60) == 0, stack.worker.log()[-3000:]
     assert unlisted_after < 5
     assert "aborted 0" in stack.worker.log()

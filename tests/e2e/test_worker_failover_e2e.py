@@ -14,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from dynamo.common.ports import free_port
 from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
+from dynamo_fpm_testing.stream_client import StreamingCompletion
 from dynamo_fpm_testing.worker_support import (
     Proc,
     base_env,
@@ -31,7 +30,6 @@ from dynamo_fpm_testing.worker_support import (
     metric,
     model_ready,
     scrape,
-    sse_chunks,
     start_frontend,
     start_worker,
     wait_until,
@@ -40,8 +38,8 @@ from dynamo_fpm_testing.worker_support import (
 pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
 
 MODEL = "tiny"
-# Tokens of the request the drain cuts: about 13 s of decoding here (1,500 took 5 s on a fresh clone and the
-# test, slowed by a 2.8 s machine stall, sent SIGTERM just after it had finished). Needs the longer context.
+# Tokens of the request the drain cuts: 6.6 to 13 s of decoding here, far more than the 1 s drain timeout.
+# Needs the longer context.
 LONG = 4000
 MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
 
@@ -112,43 +110,19 @@ def stack(
 
 
 def test_a_request_cut_by_the_drain_completes_on_the_other_worker(stack: Stack) -> None:
-    result: dict[str, Any] = {}
-    streaming = threading.Event()
-
-    def consume() -> None:
-        body = {
-            "model": MODEL,
-            "prompt": "the cat sat on the",
-            "max_tokens": LONG,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        text, finish, tokens, errors = [], None, 0, []
-        with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=300) as r:
-            result["status"] = r.status_code
-            for chunk in sse_chunks(r.iter_lines()):
-                if "error" in chunk:
-                    errors.append(chunk["error"])
-                for choice in chunk.get("choices", []):
-                    text.append(choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                streaming.set()
-        result.update(finish=finish, tokens=tokens, errors=errors, words=len("".join(text).split()))
-
-    thread = threading.Thread(target=consume)
-    thread.start()
-    assert streaming.wait(60)
-    # Which worker serves it, from its log: a scrape of a worker busy streaming could wait until the request
-    # ended (twice on fresh clones SIGTERM came 5-50 ms after the request had finished).
-    serving = wait_until(lambda: [w for w in stack.workers if "request received" in w.proc.log()], 10)
-    drained, other = serving[0], next(w for w in stack.workers if w is not serving[0])
-    drained.proc.signal(signal.SIGTERM)
-    thread.join(300)
-    assert not thread.is_alive()
+    # Read by a child process: a reader thread here kept this thread from the GIL until the answer ended
+    # (dynamo_fpm_testing.stream_client), and the SIGTERM came too late to cut anything.
+    body = {"model": MODEL, "prompt": "the cat sat on the", "max_tokens": LONG, "ignore_eos": True}
+    stream = StreamingCompletion(stack.base_url, {**body, "temperature": 0})
+    try:
+        assert stream.wait_started(60)
+        # Which worker serves it, from its log (a scrape of a worker busy streaming can wait).
+        serving = wait_until(lambda: [w for w in stack.workers if "request received" in w.proc.log()], 10)
+        drained, other = serving[0], next(w for w in stack.workers if w is not serving[0])
+        drained.proc.signal(signal.SIGTERM)
+        result = stream.result(300)
+    finally:
+        stream.close()
     # The whole answer, finished by the other worker: not the drained worker's partial text marked "stop".
     assert result["status"] == 200 and not result["errors"], result
     assert (result["finish"], result["tokens"]) == ("length", LONG), result
