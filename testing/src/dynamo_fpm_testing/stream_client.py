@@ -1,10 +1,11 @@
 """A streamed ``/v1/completions`` request read by a child process, for tests that act while it streams.
 
-Why a process: a reader *thread* in the test process does a socket read per chunk, and each read releases
-and retakes the GIL; the test's main thread, waiting for the GIL meanwhile, was overtaken at every turn
-(CPython's convoy effect). On a fresh clone the failover test's SIGTERM, meant for the middle of a
-4,000-token answer, was sent 36 ms after the answer ended: the main thread had not run for 6.6 s, and the
-stall meter took it for a stopped machine.
+Why a process: the tests that use it must act on time while the answer streams (send SIGTERM mid-answer,
+scale a pool down). A reader thread in the test process did a socket read and a JSON parse per chunk, and
+competed with the test's own thread for its GIL the whole time. One fresh clone's failover test sent its
+SIGTERM 36 ms after a 4,000-token answer had ended, 6.6 s after it began; the session's stall meter (a
+separate process) reported a 6.4 s stall in that test, so the machine's ordinary processes were kept from
+running too (docs/disaggregation.md, "Hosts that stall"): a reader process removes one competitor, not that.
 
 Run as a module this file *is* the child: ``python -m dynamo_fpm_testing.stream_client URL BODY_JSON N``.
 It prints ``started`` once N chunks have arrived (or the stream ended), then one JSON line: ``status``,
