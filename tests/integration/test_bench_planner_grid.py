@@ -12,11 +12,9 @@ from dynamo_fpm_testing.planner_support import run_benchmark
 
 pytestmark = pytest.mark.runtime
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _grid(*args: str) -> subprocess.CompletedProcess[str]:
-    return run_benchmark(ROOT / "benchmarks" / "bench_planner_grid.py", *args, timeout=300)
+    return run_benchmark("bench_planner_grid.py", *args, timeout=300)
 
 
 @pytest.mark.parametrize(

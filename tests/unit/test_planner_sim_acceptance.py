@@ -14,8 +14,6 @@ from dynamo.planner.sim.acceptance import allowed_flips, check, load_peaks, repo
 from dynamo.planner.sim.scenarios import SCENARIOS, Phase, Scenario
 from dynamo_fpm_testing.planner_support import run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _scenario(*phases: Phase) -> Scenario:
     return Scenario("synthetic", "for a test", phases)
@@ -134,7 +132,7 @@ def test_report_lists_the_missed_first() -> None:
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return run_benchmark(ROOT / "benchmarks" / "bench_planner_outcomes.py", *args, timeout=120)
+    return run_benchmark("bench_planner_outcomes.py", *args, timeout=120)
 
 
 def test_the_benchmark_judges_a_saved_run(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from dynamo.planner.config import PlannerConfig, config_from_mapping
 from dynamo.planner.observations import Capacity, EngineObs, Observation, PoolObs
 from dynamo.planner.policy import PolicyState, PoolState
 
+from dynamo_fpm_testing import REPO
 from dynamo_fpm_testing.stall_meter import Deadline
 
 CTX = 1000
@@ -249,8 +250,11 @@ print("drained", wid, flush=True)
 """
 
 
-def run_benchmark(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """A script of ``benchmarks/`` run as a user runs it (its own directory on sys.path), output captured."""
+def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script>`` run as a user runs it (its own directory on sys.path), output captured."""
     return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -37,7 +37,6 @@ class StreamingCompletion:
             [sys.executable, "-m", "dynamo_fpm_testing.stream_client", base_url, json.dumps(body),
              str(started_after_chunks)],
             stdout=subprocess.PIPE,
-            env=dict(os.environ),
         )  # fmt: skip
         self._lines: list[str] = []
         self._buffer = b""

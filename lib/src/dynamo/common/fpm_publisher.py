@@ -213,8 +213,6 @@ class FpmDirectPublisher:
         with self._sent:
             self._sent_waiters += 1
             try:
-                if self._parked:
-                    self._unpark()
                 while self._handled < target:
                     left = deadline - time.monotonic()
                     if left <= 0:
