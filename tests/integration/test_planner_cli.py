@@ -268,6 +268,9 @@ def test_metrics_are_served(tmp_path: Path) -> None:
     assert 'dynamo_planner_desired_replicas{pool="decode"} 2.0' in body
     assert 'dynamo_planner_decisions_total{action="scale_up",pool="decode"} 1.0' in body
     assert "dynamo_planner_gpus_desired 3.0" in body
+    # The startup sized for: expected_startup_s until a scale-up has been timed.
+    assert f'dynamo_planner_startup_seconds{{pool="decode"}} {cfg.expected_startup_s}' in body
+    assert 'dynamo_planner_startup_measured{pool="decode"} 0.0' in body
 
 
 class FlakyConnector:

@@ -132,6 +132,28 @@ def test_acceptance_judges_real_summaries(decode_shift: Path) -> None:
     assert checks["prefill direction changes"].met == (ours["flips"]["prefill"] == 0)
 
 
+def test_the_startup_is_measured_not_assumed(decode_shift: Path) -> None:
+    """Decode engines that start in 30 s, a planner that assumes 60: it times its scale-up to the new
+    replica's first record (ticks are 5 s apart), and the table says so."""
+    spec = _spec(decode_shift, decode_engine_args=engine_args({}, "decode", 30.0))
+    result = simulate(spec, PlannerConfig(expected_startup_s=60.0))
+    timed = result["summary"]["measured_startup_s"]
+    assert timed["prefill"] is None  # prefill never scaled up
+    assert timed["decode"] is not None and 30.0 <= timed["decode"] <= 35.0, timed
+    before = [t["decode"]["startup_s"] for t in result["ticks"] if t["t_s"] <= 120.0]
+    assert before and all(v is None for v in before)  # nothing timed before the first scale-up
+    cli = ["simulate", "--trace", str(decode_shift), "--startup-time", "30"]
+    out = subprocess.run(
+        [sys.executable, "-m", "dynamo.planner", *cli, "--config", json.dumps({"expected_startup_s": 60})],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = f"startup measured    prefill -, decode {timed['decode']:.0f} s (until measured: 60 s)"
+    assert line in out.stdout, out.stdout
+
+
 def test_static_equals_a_plain_simulator_run(decode_shift: Path) -> None:
     spec = _spec(decode_shift, static=(2, 1))
     ours = simulate(spec, None)["summary"]

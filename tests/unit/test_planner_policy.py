@@ -561,12 +561,15 @@ def _fields(p: object) -> dict[str, Any]:
 def test_startup_time_is_measured_from_action_to_first_record() -> None:
     cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
     decode = [rec("d0", s_decode=8, s_decode_kv=int(1.5 * KV))]
-    _, state = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
+    d, state = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
     assert state.decode.startup_probe == (0.0, 1)
+    assert (d.decode.signals.lead_s, d.decode.signals.startup_measured) == (60.0, False)
     both = [*decode, rec("d1", s_decode=1, s_decode_kv=100)]
     d, state = decide(obs(35.0, [heartbeat("p0")], both, decode_replicas=2), state, cfg)
     assert state.decode.startup_s == 35.0 and state.decode.startup_probe is None
-    assert d.decode.signals.lead_s == 35.0  # the next sizing looks 35 s ahead, not 60
+    # The next sizing looks 35 s ahead, not 60; and the decision says it was measured.
+    assert (d.decode.signals.lead_s, d.decode.signals.startup_measured) == (35.0, True)
+    assert (d.prefill.signals.lead_s, d.prefill.signals.startup_measured) == (60.0, False)
 
 
 def test_startup_is_timed_for_the_ask_not_for_a_replica_already_starting() -> None:

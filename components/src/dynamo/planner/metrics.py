@@ -97,6 +97,18 @@ class PlannerMetrics:
             ["role"],
             registry=r,
         )
+        self.startup = Gauge(
+            "dynamo_planner_startup_seconds",
+            "Startup the pool is sized for: scale-up to the new replica's first record (assumed until timed)",
+            ["pool"],
+            registry=r,
+        )
+        self.startup_measured = Gauge(
+            "dynamo_planner_startup_measured",
+            "1 once the pool's startup has been measured; 0 while expected_startup_s stands in",
+            ["pool"],
+            registry=r,
+        )
         self.evicted = Gauge(
             "dynamo_planner_evicted_engines",
             "Engines evicted from the planner's book because it was full (max_engines), so far",
@@ -167,6 +179,9 @@ class PlannerMetrics:
             self.workers.labels(p).set(pd.workers)
             if pd.load_max is not None:
                 self.load.labels(p).set(pd.load_max)
+            if pd.signals.lead_s is not None:
+                self.startup.labels(p).set(pd.signals.lead_s)
+                self.startup_measured.labels(p).set(1.0 if pd.signals.startup_measured else 0.0)
             self.decisions.labels(p, pd.action).inc()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:

@@ -117,7 +117,8 @@ class Signals:
     mismatch_s: float | None = None
     # The sizing.
     want: Want | None = None
-    lead_s: float | None = None
+    lead_s: float | None = None  # the startup sized for: measured, or ``expected_startup_s`` until then
+    startup_measured: bool | None = None
     loads: Summary | None = None
     up: float | None = None
     down: float | None = None
@@ -955,6 +956,8 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
         engines=len(pool.engines),
         capacity_from=sources or None,
         rejected_records=pool.rejected or None,
+        lead_s=round(_lead(st, cfg), 1),
+        startup_measured=st.startup_s is not None,
     )
     d = Draft(name, pool, st, pool.replicas, pool.replicas, "hold", "", sig)
     rule_first_look(d, obs, cfg)
@@ -973,7 +976,7 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     if sizing.want == "up" and sizing.needed is not None:
         need = min(sizing.needed, cfg.pool(name).max_replicas)
         d.st = replace(d.st, needs=_within(d.st.needs, cfg.scale_down_stabilization_s, obs.now, need))
-    d.signals = replace(d.signals.merged(sizing.signals), want=sizing.want, lead_s=round(view.lead_s, 1))
+    d.signals = replace(d.signals.merged(sizing.signals), want=sizing.want)
     rule_late_landing(d, obs, cfg)
     rule_idle(d, obs, cfg, missing)
     if d.done:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from ..config import ConfigError, PlannerConfig
+from .connector import POOLS
 from .harness import SimSpec, simulate
 from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg
 
@@ -125,6 +126,10 @@ def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
         f"  wall time           planner {s['planner_wall_s']:.2f} s ({s['planner_ticks']} decisions), "
         f"simulator {s['simulator_wall_s']:.2f} s",
     ]
+    if not s["static"]:
+        timed = s.get("measured_startup_s") or {}
+        each = ", ".join(f"{p} " + ("-" if timed.get(p) is None else f"{timed[p]:.0f} s") for p in POOLS)
+        rows.insert(-1, f"  startup measured    {each} (until measured: {cfg.expected_startup_s:g} s)")
     return "\n".join(rows)
 
 

@@ -145,6 +145,7 @@ class PlannerPolicy:
                     }
                 )
                 self.targets[pool] = target
+            sig = decision.pool(pool).signals
             row[pool] = {
                 "active": active,
                 "starting": starting,
@@ -152,6 +153,8 @@ class PlannerPolicy:
                 "desired": self.targets[pool],
                 "queued_prefill_tokens": queued[pool][0],
                 "queued_decode_kv_tokens": queued[pool][1],
+                # The startup the policy sizes for; None until it has timed a scale-up to its first record.
+                "startup_s": sig.lead_s if sig.startup_measured else None,
             }
         self.run.ticks.append(row)
         self.run.planner_wall_s += time.perf_counter() - t0
@@ -313,6 +316,15 @@ def _requests(per_request: Sequence[Mapping[str, Any]] | None, spec: SimSpec) ->
     return out
 
 
+def measured_startup(ticks: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """Per pool, the last startup the planner measured (scale-up to the new replica's first record)."""
+    out: dict[str, float | None] = {}
+    for p in POOLS:
+        seen = [t[p]["startup_s"] for t in ticks if t[p].get("startup_s") is not None]
+        out[p] = seen[-1] if seen else None
+    return out
+
+
 def summarize(
     spec: SimSpec,
     sim: Mapping[str, Any],
@@ -351,6 +363,7 @@ def summarize(
         "actions": per_pool_actions,
         "flips": flips,
         "peak_replicas": peak,
+        "measured_startup_s": measured_startup(ticks),
         "planner_ticks": len(ticks) if spec.static is None else 0,
         "planner_wall_s": round(planner_wall_s, 3),
         "simulator_wall_s": round(max(wall_s - planner_wall_s, 0.0), 3),
