@@ -285,6 +285,26 @@ def test_scripted_fleets_follow_their_schedule_and_bound_the_outcome(decode_shif
     assert ahead["summary"]["goodput_pct"] > reactive["summary"]["goodput_pct"] + 5
 
 
+def test_overshoot_fleets_buy_goodput_for_gpu_hours(decode_shift: Path) -> None:
+    """The reactive fleet with extra decode replicas while the decode shift's backlog drains: asked for at
+    the same time, released after the hold, more goodput for more GPU-hours; the grid's first point is the
+    reactive fleet itself, and the front is cheapest first."""
+    from dynamo.planner.sim.frontier import PhaseNeed, overshoot_frontier, overshoot_script, pareto_front
+
+    needs = [PhaseNeed(0, 120, 1, 1), PhaseNeed(120, 420, 1, 2), PhaseNeed(420, 600, 1, 1)]
+    # Held 120 s from the ask: 60 s of serving after a 60 s cold start (a hold under one startup buys nothing).
+    run = simulate(_spec(decode_shift), None, script=overshoot_script(needs, 2, 120.0))
+    moves = [(a["t_s"], a["from"], a["to"]) for a in run["actions"] if a["pool"] == "decode"]
+    assert moves[:2] == [(125.0, 1, 4), (245.0, 4, 2)], moves
+    grid = overshoot_frontier(_spec(decode_shift), needs, extras=(2,), holds_s=(120.0,))
+    reactive, over = grid
+    assert (reactive["extra"], over["extra"], over["hold_s"]) == (0, 2, 120.0)
+    assert over["goodput_pct"] > reactive["goodput_pct"] and over["gpu_hours"] > reactive["gpu_hours"]
+    assert over["goodput_pct"] == run["summary"]["goodput_pct"]
+    front = pareto_front(grid, lambda r: r["goodput_pct"], lambda r: r["gpu_hours"])
+    assert front == [reactive, over]
+
+
 @pytest.mark.parametrize("threshold", [1, 2, 3, 5, 37, 64])
 def test_smallest_passing_finds_the_threshold_in_few_calls(threshold: int) -> None:
     """The search behind the static baselines and the frontier's phase needs."""

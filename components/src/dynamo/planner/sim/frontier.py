@@ -13,15 +13,21 @@ Two scripted fleets then follow those needs through the whole trace, cold starts
 
 Neither over-provisions to drain a backlog, so a real planner can beat the reactive one by adding extra
 replicas; the clairvoyant one is the upper bound of right-sized fleets.
+
+- **reactive with overshoot** (``overshoot_script``): the reactive fleet, with ``extra`` replicas on each pool
+  whose need grew, held ``hold_s`` after the ask (at most to the phase's end) to drain the backlog of the
+  cold start. A grid of (extra, hold) traces what a reactive planner that knows each phase's need can buy
+  for its GPU-hours; ``pareto_front`` keeps the points no other beats on both.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .baselines import smallest_passing
 from .harness import Script, SimSpec, simulate
@@ -104,6 +110,68 @@ def clairvoyant_script(needs: list[PhaseNeed], startup_s: float) -> Script:
         return max(n.prefill for n in soon), max(n.decode for n in soon)
 
     return script
+
+
+def overshoot_script(
+    needs: list[PhaseNeed],
+    extra: int,
+    hold_s: float,
+    reaction_s: float = 5.0,
+    initial: tuple[int, int] = (1, 1),
+) -> Script:
+    """The reactive fleet plus ``extra`` replicas on each pool whose need grew, for ``hold_s`` after the ask.
+
+    A pool's need grew when the phase needs more than the one before it (the first phase: more than the
+    ``initial`` fleet). The extra replicas leave when ``hold_s`` has passed or the phase ends, whichever
+    comes first; a phase that needs less shrinks the pool when it begins, as the reactive fleet does.
+    """
+    before_first = PhaseNeed(0.0, 0.0, *initial)
+
+    def script(t: float) -> tuple[int, int]:
+        now = _phase_at(needs, t)
+        i = needs.index(now)
+        prev = needs[i - 1] if i else before_first
+        since = t - now.start_s
+        if since < reaction_s:  # not seen yet: the smaller of the two phases' fleets
+            return min(now.prefill, prev.prefill), min(now.decode, prev.decode)
+        boost = extra if since < reaction_s + hold_s else 0
+        prefill = now.prefill + (boost if now.prefill > prev.prefill else 0)
+        decode = now.decode + (boost if now.decode > prev.decode else 0)
+        return prefill, decode
+
+    return script
+
+
+P = TypeVar("P")
+
+
+def pareto_front(points: Iterable[P], goodput: Callable[[P], float], cost: Callable[[P], float]) -> list[P]:
+    """The points no other point beats (at least the goodput for less, or more goodput for no more),
+    cheapest first."""
+    pts = list(points)
+
+    def beaten(p: P) -> bool:
+        g, c = goodput(p), cost(p)
+        return any((goodput(q) >= g and cost(q) < c) or (goodput(q) > g and cost(q) <= c) for q in pts)
+
+    return sorted((p for p in pts if not beaten(p)), key=cost)
+
+
+def overshoot_frontier(
+    spec: SimSpec,
+    needs: list[PhaseNeed],
+    extras: Sequence[int] = (1, 2, 3, 4, 5, 6),
+    holds_s: Sequence[float] = (30.0, 60.0, 120.0, 180.0, 240.0),
+    reaction_s: float = 5.0,
+) -> list[dict[str, Any]]:
+    """Every (extra, hold) point's summary, with ``extra`` and ``hold_s`` added, the right-sized one first."""
+    grid = [(0, 0.0), *((e, h) for e in extras for h in holds_s)]
+    out = []
+    for extra, hold in grid:
+        script = overshoot_script(needs, extra, hold, reaction_s, spec.initial)
+        summary = simulate(spec, None, script=script)["summary"]
+        out.append({"extra": extra, "hold_s": hold, **summary})
+    return out
 
 
 def frontier(
