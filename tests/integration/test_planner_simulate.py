@@ -292,7 +292,7 @@ def test_overshoot_fleets_buy_goodput_for_gpu_hours(decode_shift: Path) -> None:
     from dynamo.planner.sim.frontier import PhaseNeed, overshoot_frontier, overshoot_script, pareto_front
 
     needs = [PhaseNeed(0, 120, 1, 1), PhaseNeed(120, 420, 1, 2), PhaseNeed(420, 600, 1, 1)]
-    # Held 120 s from the ask: 60 s of serving after a 60 s cold start (a hold under one startup buys nothing).
+    # Held 120 s from the ask: 60 s of serving after a 60 s cold start (a hold under a startup buys nothing).
     run = simulate(_spec(decode_shift), None, script=overshoot_script(needs, 2, 120.0))
     moves = [(a["t_s"], a["from"], a["to"]) for a in run["actions"] if a["pool"] == "decode"]
     assert moves[:2] == [(125.0, 1, 4), (245.0, 4, 2)], moves

@@ -43,6 +43,9 @@ def test_without_extra_it_is_the_reactive_fleet() -> None:
 def test_the_pareto_front_keeps_what_nothing_beats_cheapest_first() -> None:
     pts = [(50.0, 0.4), (60.0, 0.5), (55.0, 0.6), (60.0, 0.55), (70.0, 0.9), (40.0, 0.4)]
     assert pareto_front(pts, lambda p: p[0], lambda p: p[1]) == [(50.0, 0.4), (60.0, 0.5), (70.0, 0.9)]
+    # Equal points (a hold cut short by the phase's end is the same fleet): the first one given stays.
+    tied = [("hold 180", 50.9, 0.545), ("hold 240", 50.9, 0.545), ("reactive", 36.6, 0.4)]
+    assert [p[0] for p in pareto_front(tied, lambda p: p[1], lambda p: p[2])] == ["reactive", "hold 180"]
     assert pareto_front([], lambda p: p, lambda p: p) == []
 
 

@@ -147,14 +147,12 @@ P = TypeVar("P")
 
 def pareto_front(points: Iterable[P], goodput: Callable[[P], float], cost: Callable[[P], float]) -> list[P]:
     """The points no other point beats (at least the goodput for less, or more goodput for no more),
-    cheapest first."""
-    pts = list(points)
-
-    def beaten(p: P) -> bool:
-        g, c = goodput(p), cost(p)
-        return any((goodput(q) >= g and cost(q) < c) or (goodput(q) > g and cost(q) <= c) for q in pts)
-
-    return sorted((p for p in pts if not beaten(p)), key=cost)
+    cheapest first; of points with the same goodput and cost, the first given."""
+    front: list[P] = []
+    for p in sorted(points, key=lambda p: (cost(p), -goodput(p))):  # stable: ties keep their order
+        if not front or goodput(p) > goodput(front[-1]):
+            front.append(p)
+    return front
 
 
 def overshoot_frontier(
