@@ -95,7 +95,15 @@ def main() -> int:
             if not args.overshoot:
                 continue
             t0 = time.perf_counter()
-            grid = overshoot_frontier(at_startup(base, startup), needs, extras, holds)
+
+            def tell(done: int, total: int, name: str = name, startup: float = startup) -> None:
+                print(
+                    f"  [{name} {startup:g} s: overshoot fleet {done} of {total}]",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+            grid = overshoot_frontier(at_startup(base, startup), needs, extras, holds, progress=tell)
             print(
                 f"  [{name} {startup:g} s: {len(grid)} overshoot fleets in {time.perf_counter() - t0:.0f} s]",
                 file=sys.stderr,

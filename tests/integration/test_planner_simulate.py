@@ -296,7 +296,11 @@ def test_overshoot_fleets_buy_goodput_for_gpu_hours(decode_shift: Path) -> None:
     run = simulate(_spec(decode_shift), None, script=overshoot_script(needs, 2, 120.0))
     moves = [(a["t_s"], a["from"], a["to"]) for a in run["actions"] if a["pool"] == "decode"]
     assert moves[:2] == [(125.0, 1, 4), (245.0, 4, 2)], moves
-    grid = overshoot_frontier(_spec(decode_shift), needs, extras=(2,), holds_s=(120.0,))
+    told: list[tuple[int, int]] = []
+    grid = overshoot_frontier(
+        _spec(decode_shift), needs, extras=(2,), holds_s=(120.0,), progress=lambda *a: told.append(a)
+    )
+    assert told == [(1, 2), (2, 2)]
     reactive, over = grid
     assert (reactive["extra"], over["extra"], over["hold_s"]) == (0, 2, 120.0)
     assert over["goodput_pct"] > reactive["goodput_pct"] and over["gpu_hours"] > reactive["gpu_hours"]

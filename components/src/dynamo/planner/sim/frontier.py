@@ -161,14 +161,20 @@ def overshoot_frontier(
     extras: Sequence[int] = (1, 2, 3, 4, 5, 6),
     holds_s: Sequence[float] = (30.0, 60.0, 120.0, 180.0, 240.0),
     reaction_s: float = 5.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every (extra, hold) point's summary, with ``extra`` and ``hold_s`` added, the right-sized one first."""
+    """Every (extra, hold) point's summary, with ``extra`` and ``hold_s`` added, the right-sized one first.
+
+    ``progress(done, total)`` is called after each point (a fleet-scale point replays for ~40 s).
+    """
     grid = [(0, 0.0), *((e, h) for e in extras for h in holds_s)]
     out = []
     for extra, hold in grid:
         script = overshoot_script(needs, extra, hold, reaction_s, spec.initial)
         summary = simulate(spec, None, script=script)["summary"]
         out.append({"extra": extra, "hold_s": hold, **summary})
+        if progress is not None:
+            progress(len(out), len(grid))
     return out
 
 
