@@ -1,11 +1,9 @@
 """The frontier's reactive-with-overshoot schedule and its Pareto front (pure functions; the simulator runs
-them in tests/integration/test_planner_simulate.py)."""
+them in tests/integration/test_planner_simulate.py, the benchmark in test_bench_planner_frontier.py)."""
 
 from __future__ import annotations
 
-import pytest
 from dynamo.planner.sim.frontier import PhaseNeed, overshoot_script, pareto_front, reactive_script
-from dynamo_fpm_testing.planner_support import run_benchmark
 
 # Decode grows at 120 s and shrinks at 420 s; prefill grows at 300 s.
 NEEDS = [
@@ -47,10 +45,3 @@ def test_the_pareto_front_keeps_what_nothing_beats_cheapest_first() -> None:
     tied = [("hold 180", 50.9, 0.545), ("hold 240", 50.9, 0.545), ("reactive", 36.6, 0.4)]
     assert [p[0] for p in pareto_front(tied, lambda p: p[1], lambda p: p[2])] == ["reactive", "hold 180"]
     assert pareto_front([], lambda p: p, lambda p: p) == []
-
-
-@pytest.mark.parametrize("args", [["--extras", "0,1"], ["--holds", "60,-1"], ["--extras", "one"]])
-def test_the_benchmark_refuses_a_bad_grid(args: list[str]) -> None:
-    out = run_benchmark("bench_planner_frontier.py", "--overshoot", *args, timeout=120)
-    assert out.returncode == 2 and out.stdout == "", out
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
