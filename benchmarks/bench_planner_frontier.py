@@ -5,7 +5,8 @@ For every phased scenario of ``dynamo.planner.sim.scenarios`` it measures each p
 target on that phase's requests, fleet ready from the start), then replays the whole trace with a fleet
 scripted from those needs: **reactive** (grows 5 s after a phase begins) and **clairvoyant** (grows one
 cold start before it). The planner is judged against these, not against 100% (docs/planner-evaluation.md).
-The slow wave (one continuous phase) and the fleet scale (its phase searches take ~15 minutes) are left out.
+The slow wave (one continuous phase) and the fleet scale are left out by default (its phase searches take
+8-15 minutes and need ``--ample 64``).
 
 With ``--overshoot`` it also runs the reactive fleet with extra replicas on each pool that grows, held for
 a while after the ask (``dynamo.planner.sim.frontier.overshoot_script``), over a grid of (extra, hold),
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dynamo.planner.sim.frontier import frontier, overshoot_frontier, pareto_front, phase_needs
+from dynamo.planner.sim.frontier import AMPLE, frontier, overshoot_frontier, pareto_front, phase_needs
 from dynamo.planner.sim.harness import at_startup, trace_spec
 from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 
@@ -61,6 +62,12 @@ def main() -> int:
     ap.add_argument("--startups", default="0,60", help="cold starts in seconds (default: 0,60)")
     ap.add_argument("--need-pct", type=float, default=99.0, help="goodput a phase's need must reach (99)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--ample",
+        type=int,
+        default=AMPLE,
+        help=f"the other pool's replicas while one pool's need is searched ({AMPLE}; fleet scale: 64)",
+    )
     ap.add_argument("--overshoot", action="store_true", help="also the reactive fleet with extra replicas")
     ap.add_argument("--extras", default="1,2,3,4,5,6", help="--overshoot: extra replicas (default: 1,...,6)")
     ap.add_argument(
@@ -72,6 +79,8 @@ def main() -> int:
         names = scenario_names(args.scenarios)
         extras = _grid("--extras", args.extras, int, 1)
         holds = _grid("--holds", args.holds, float, 1e-9)
+        if args.ample < 1:
+            raise ValueError(f"--ample: expected a whole number >= 1, got {args.ample}")
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -85,7 +94,7 @@ def main() -> int:
         trace = write_trace(name, CACHE / f"{name}-{args.seed}.jsonl", seed=args.seed)
         base = trace_spec(trace, sc.initial)
         t0 = time.perf_counter()
-        needs = phase_needs(sc, base, seed=args.seed, target_pct=args.need_pct)
+        needs = phase_needs(sc, base, seed=args.seed, target_pct=args.need_pct, ample=args.ample)
         shown = " ".join(f"{n.start_s:g}:{n.prefill}+{n.decode}" for n in needs)
         print(f"  [{name}: phase needs in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
         for startup in (float(x) for x in args.startups.split(",")):

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.runtime
         (["--extras", "0,1"], "--extras: expected comma-separated whole numbers >= 1, got '0,1'"),
         (["--extras", "one"], "--extras: expected comma-separated whole numbers >= 1, got 'one'"),
         (["--holds", "60,-1"], "--holds: expected comma-separated seconds > 0, got '60,-1'"),
+        (["--ample", "0"], "--ample: expected a whole number >= 1, got 0"),
     ],
 )
 def test_a_bad_grid_is_refused_in_one_line(args: list[str], message: str) -> None:

@@ -33,7 +33,7 @@ from .baselines import smallest_passing
 from .harness import Script, SimSpec, simulate
 from .scenarios import Scenario, requests
 
-AMPLE = 16  # replicas of the other pool while one pool's need is searched
+AMPLE = 16  # replicas of the other pool while one pool's need is searched (the fleet scale needs 64)
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,18 @@ def _ms(request: dict[str, object]) -> float:
 
 
 def phase_needs(
-    scenario: Scenario, spec: SimSpec, seed: int = 0, target_pct: float = 95.0, max_n: int = 64
+    scenario: Scenario,
+    spec: SimSpec,
+    seed: int = 0,
+    target_pct: float = 95.0,
+    max_n: int = 64,
+    ample: int = AMPLE,
 ) -> list[PhaseNeed]:
-    """Each phase's (prefill, decode) need, measured on that phase's requests alone (cold start 0)."""
+    """Each phase's (prefill, decode) need, measured on that phase's requests alone (cold start 0).
+
+    One pool's need is searched with ``ample`` replicas of the other: too few, and the other pool's
+    shortage reads as this one's (the fleet scale's 200 req/s phase asked for 64 of each with 16).
+    """
     all_requests = list(requests(scenario, seed))
     out: list[PhaseNeed] = []
     start = 0.0
@@ -77,8 +86,8 @@ def phase_needs(
                 return float(s["goodput_pct"]) >= target_pct
 
             # None: not even max_n reaches the target; the script then asks for max_n.
-            p = smallest_passing(lambda n: ok((n, AMPLE)), max_n) or max_n
-            d = smallest_passing(lambda n: ok((AMPLE, n)), max_n) or max_n
+            p = smallest_passing(lambda n: ok((n, ample)), max_n) or max_n
+            d = smallest_passing(lambda n: ok((ample, n)), max_n) or max_n
             out.append(PhaseNeed(start, end, p, d))
             start = end
     return out
