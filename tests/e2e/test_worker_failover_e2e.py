@@ -126,9 +126,14 @@ def test_a_request_cut_by_the_drain_completes_on_the_other_worker(stack: Stack) 
     assert result["status"] == 200 and not result["errors"], result
     assert (result["finish"], result["tokens"]) == ("length", LONG), result
     log = drained.proc.log()
-    # Once on a fresh clone the machine kept this process from running for 6.4 s, until the answer had ended:
-    # the SIGTERM then found nothing to cut. Say so rather than only "exit 0 != 3".
-    assert "waiting for 0 in-flight" not in log, "the answer ended before the SIGTERM: nothing was cut"
+    if "waiting for 0 in-flight" in log:
+        # Once on a fresh clone the machine kept this process from running for 6.4 s, until the answer had
+        # ended: the worker's own books held nothing in flight at the SIGTERM, so nothing was cut and the
+        # migration was not exercised. The answer above is whole and the drain must still end cleanly; the
+        # cut itself is not tested this time, which is a lost precondition, not a defect.
+        assert drained.proc.wait(60) == 0  # ExitCode.OK: every in-flight request (none) finished
+        stack.workers.remove(drained)
+        pytest.skip("the answer ended before the SIGTERM (a machine stall): nothing to cut, no migration")
     assert drained.proc.wait(60) == 3  # ExitCode.DRAIN_TIMEOUT: it cut a request
     assert "handed back to the frontend" in log
     assert "aborted 1 (1 at the grace period" in log, log[-3000:]
