@@ -127,8 +127,8 @@ def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
         f"simulator {s['simulator_wall_s']:.2f} s",
     ]
     if not s["static"]:
-        timed = s.get("measured_startup_s") or {}
-        each = ", ".join(f"{p} " + ("-" if timed.get(p) is None else f"{timed[p]:.0f} s") for p in POOLS)
+        timed = s["measured_startup_s"]
+        each = ", ".join(f"{p} " + ("-" if timed[p] is None else f"{timed[p]:.0f} s") for p in POOLS)
         rows.insert(-1, f"  startup measured    {each} (until measured: {cfg.expected_startup_s:g} s)")
     return "\n".join(rows)
 
