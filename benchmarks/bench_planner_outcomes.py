@@ -6,9 +6,11 @@ planner (``python -m dynamo.planner simulate``'s harness), upstream Dynamo 1.6.1
 which load-based scaling does not call) and finds the cheapest static N+N fleet reaching 95% goodput.
 Prints one row per (scenario, cold start, policy); ``--json`` writes every summary. Our planner's runs go to
 ``--jobs`` worker processes while the main process searches the static fleets and runs upstream's planner.
+``--seeds 0,1,2`` runs the suite on each seed's traces (each judged against its own static fleet and
+upstream run) and says how many seeds meet each target.
 
     python benchmarks/bench_planner_outcomes.py [--scenarios a,b] [--startups 0,60,180] [--no-upstream] \
-        [--jobs N]
+        [--jobs N] [--seeds 0,1,2]
 """
 
 from __future__ import annotations
@@ -125,7 +127,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated names (default: all)")
     ap.add_argument("--startups", default="0,60,180", help="cold starts in seconds (default: 0,60,180)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds",
+        default=None,
+        help="the traces' seeds, comma-separated: the suite runs on each (default: 0)",
+    )
+    ap.add_argument("--seed", type=int, default=None, help="one seed: the same as --seeds N")
     ap.add_argument("--sla-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--sla-itl-ms", type=float, default=50.0)
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
@@ -158,6 +165,10 @@ def main() -> int:
     except ValueError:
         print(f"--startups {args.startups!r}: expected seconds, comma-separated", file=sys.stderr)
         return 2
+    seeds = _seeds(args.seeds, args.seed)
+    if isinstance(seeds, str):
+        print(seeds, file=sys.stderr)
+        return 2
     try:
         mapping = merge(SUITE_FLEET_LIMITS, load_config_arg(args.config))
         config_from_mapping(mapping)  # a bad config fails here, before any simulation
@@ -169,17 +180,28 @@ def main() -> int:
         print(f"upstream planner skipped: {upstream_reason}", file=sys.stderr)
     cache, cache_file = load_cache()
     results: list[dict[str, Any]] = []
-    traces = {n: write_trace(n, CACHE / f"{n}-{args.seed}.jsonl", seed=args.seed) for n in names}
+    traces = {
+        (seed, n): write_trace(n, CACHE / f"{n}-{seed}.jsonl", seed=seed) for seed in seeds for n in names
+    }
     pool = ProcessPoolExecutor(max_workers=args.jobs)
     # Every run of ours starts now; the loop below prints them in order as the baselines come.
-    ours_runs: dict[tuple[str, float], Future[dict[str, Any]]] = {
-        (n, st): pool.submit(planner_row, n, st, str(traces[n]), mapping, args.sla_ttft_ms, args.sla_itl_ms)
+    ours_runs: dict[tuple[int, str, float], Future[dict[str, Any]]] = {
+        (seed, n, st): pool.submit(
+            planner_row, n, st, str(traces[(seed, n)]), mapping, args.sla_ttft_ms, args.sla_itl_ms
+        )
+        for seed in seeds
         for n in names
         for st in startups
     }
     print(HEADER)
     try:
-        _report_rows(names, startups, traces, ours_runs, upstream_reason, cache, cache_file, args, results)
+        for seed in seeds:
+            if len(seeds) > 1:
+                print(f"seed {seed}", flush=True)
+            rows = _report_rows(
+                seed, names, startups, traces, ours_runs, upstream_reason, cache, cache_file, args
+            )
+            results.extend(rows)
     finally:
         pool.shutdown(cancel_futures=True)
     if not upstream_reason:
@@ -194,20 +216,38 @@ def main() -> int:
     return 0
 
 
+def _seeds(listed: str | None, one: int | None) -> list[int] | str:
+    """The seeds ``--seeds`` / ``--seed`` ask for (default: 0), or the error to print."""
+    if listed is not None and one is not None:
+        return "--seed and --seeds: give one of them"
+    if listed is None:
+        return [0 if one is None else one]
+    try:
+        seeds = [int(x) for x in listed.split(",")]
+    except ValueError:
+        return f"--seeds {listed!r}: expected integers, comma-separated"
+    if len(set(seeds)) != len(seeds):
+        return f"--seeds {listed!r}: a seed is listed twice"
+    return seeds
+
+
 def _report_rows(
+    seed: int,
     names: list[str],
     startups: list[float],
-    traces: dict[str, Path],
-    ours_runs: dict[tuple[str, float], Future[dict[str, Any]]],
+    traces: dict[tuple[int, str], Path],
+    ours_runs: dict[tuple[int, str, float], Future[dict[str, Any]]],
     upstream_reason: str | None,
     cache: dict[str, Any],
     cache_file: Path,
     args: argparse.Namespace,
-    results: list[dict[str, Any]],
-) -> None:
-    """Per scenario: its static fleet, then ours and upstream's at each cold start, printed as they come."""
+) -> list[dict[str, Any]]:
+    """Per scenario: its static fleet, then ours and upstream's at each cold start, printed as they come.
+
+    Returns the rows, each with its ``seed``."""
+    results: list[dict[str, Any]] = []
     for name in names:
-        trace = traces[name]
+        trace = traces[(seed, name)]
         base = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms)
         t0 = time.perf_counter()
         found = static_baseline(trace, base, cache, cache_file)
@@ -216,20 +256,25 @@ def _report_rows(
         if found:
             n, s = found
             print(row(name, "-", f"static {n}+{n}", s, static_gpu_h))
-            results.append({"scenario": name, "startup_s": None, "policy": f"static {n}+{n}", **s})
+            results.append(
+                {"scenario": name, "startup_s": None, "policy": f"static {n}+{n}", **s, "seed": seed}
+            )
         else:
             print(f"{name:<15} {'-':>5}  no static fleet up to 128+128 reaches 95%")
         for startup in startups:
-            ours = ours_runs[(name, startup)].result()
+            ours = ours_runs[(seed, name, startup)].result()
             print(row(name, f"{startup:g}", "ours", ours, static_gpu_h), flush=True)
-            results.append(ours)
+            results.append({**ours, "seed": seed})
             if upstream_reason:
                 continue
             up = upstream_baseline(name, trace, at_startup(base, startup), startup, cache, cache_file)
             if up is None:
                 continue
             print(row(name, f"{startup:g}", "upstream 1.6.1*", up, static_gpu_h), flush=True)
-            results.append({"scenario": name, "startup_s": startup, "policy": "upstream-1.6.1", **up})
+            results.append(
+                {"scenario": name, "startup_s": startup, "policy": "upstream-1.6.1", **up, "seed": seed}
+            )
+    return results
 
 
 def _check_file(path: Path) -> int:

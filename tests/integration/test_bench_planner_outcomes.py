@@ -25,6 +25,9 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
         (["--startups", "x"], "--startups 'x': expected seconds"),
         (["--config", '{"projection_cap": "lots"}'], "--config: "),
         (["--scenarios", "nope"], "unknown scenario 'nope'"),
+        (["--seeds", "1,x"], "--seeds '1,x': expected integers"),
+        (["--seeds", "1,1"], "a seed is listed twice"),
+        (["--seed", "1", "--seeds", "1,2"], "--seed and --seeds: give one of them"),
     ],
 )
 def test_bad_arguments_exit_2_before_simulating(args: list[str], message: str) -> None:

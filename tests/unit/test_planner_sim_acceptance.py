@@ -131,6 +131,30 @@ def test_report_lists_the_missed_first() -> None:
     assert all(line.startswith("met") for line in lines[2:])
 
 
+def test_each_seed_is_judged_against_its_own_references() -> None:
+    # The same run of ours is within 1.25x of seed 0's static fleet and past seed 1's (a cheaper trace).
+    rows = [
+        {**STATIC, "seed": 0},
+        {**_ours("ramp", 60.0, 91.0, 2.5), "seed": 0},
+        {**STATIC, "gpu_hours": 1.9, "seed": 1},
+        {**_ours("ramp", 60.0, 91.0, 2.5), "seed": 1},
+    ]
+    verdicts = {(c.seed, c.criterion): c.met for c in check(rows)}
+    assert verdicts[(0, "GPU-hours / static")] and not verdicts[(1, "GPU-hours / static")]
+    assert verdicts[(0, "goodput")] and verdicts[(1, "goodput")]
+    lines = report(check(rows)).splitlines()
+    assert lines[0] == "acceptance: 7 of 8 targets met over seeds 0, 1"
+    assert lines[1:3] == ["  seed 0: 4 of 4 met", "  seed 1: 3 of 4 met"]
+    assert lines[3] == (
+        "  missed on 1 of 2 seeds: ramp 60 s GPU-hours / static: seed 1 1.316x (target <= 1.25x)"
+    )
+    assert lines[4].startswith("MISSED seed 1  ramp")
+    # Rows without a seed (files written before seeds) are one group, as before.
+    assert report(check([STATIC, _ours("ramp", 60.0, 91.0, 2.5)])).splitlines()[0] == (
+        "acceptance: 4 of 4 targets met"
+    )
+
+
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return run_benchmark("bench_planner_outcomes.py", *args, timeout=120)
 
