@@ -37,7 +37,6 @@ DOCUMENTED_MISSES = {
     ("opposite-shift", 60.0, "goodput"),
     ("idle-gap", 60.0, "GPU-hours / static"),
     ("opposite-shift", 60.0, "GPU-hours / static"),
-    ("fleet-scale", 60.0, "GPU-hours / static"),
 }
 
 

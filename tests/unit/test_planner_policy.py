@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from dynamo.planner.config import ConfigError, PlannerConfig, config_from_mapping
 from dynamo.planner.observations import WorkerBook
-from dynamo.planner.policy import Decision, PolicyState, decide
+from dynamo.planner.policy import Decision, PolicyState, PoolState, decide
 from dynamo_fpm_testing.planner_support import CAP, KV, WATCHING, config, heartbeat, obs, pool, rec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,6 +116,42 @@ def test_prefill_backlog_scales_prefill_not_decode() -> None:
     d, _ = decide(obs(0.0, short, decode), PolicyState(), cfg)
     assert d.prefill.action == "hold", d.prefill.reason
     assert d.decode.action == "hold"
+
+
+@pytest.mark.parametrize(
+    ("then", "old_queue", "new_queue"),
+    [
+        # Draining: 3 engines' worth of arrivals round-robin over 6 engines; the 2 old ones hold the
+        # backlog and shrink by (their share 0.5 - 1) engine each: 25.6k tokens/s in all.
+        ((6, 2), 100_000, 100_000 - 64_000),
+        # Growing on the 2 engines there were (4 landed since): arrivals are those 2 plus the growth.
+        ((2, 2), 100_000, 100_000 + 64_000),
+    ],
+)
+def test_a_backlog_on_old_engines_is_not_work_for_new_ones(
+    then: tuple[int, int], old_queue: int, new_queue: int
+) -> None:
+    """Six engines, two holding a backlog: the pool receives three engines' worth, so six carry it.
+
+    Counting every engine publishing as busy read it as 6 (+ the deficit) and asked for 7.
+    """
+    cfg = config(prefill={"min_replicas": 1, "max_replicas": 12})
+    rate = 512 / 0.02  # tokens/s of a saturated pass: 25.6k
+    state = PolicyState(
+        prefill=PoolState(trend=((0.0, 2.0 * old_queue),), engine_rate=rate, prefill_engines=then)
+    )
+    old = [
+        rec(f"p{i}", s_prefill=1, s_prefill_tokens=512, q_prefill=40, q_prefill_tokens=new_queue)
+        for i in (0, 1)
+    ]
+    new = [rec(f"p{i}", s_prefill=1, s_prefill_tokens=200) for i in range(2, 6)]
+    d, st = decide(obs(5.0, old + new, [rec("d0", s_decode=4, s_decode_kv=3000)]), state, cfg)
+    assert d.prefill.signals.demand == pytest.approx(3.0, abs=0.01), d.prefill.reason
+    # With the backlog's drain on top: 4 replicas (draining), 5 (growing, 60 s more of it expected).
+    assert d.prefill.signals.needed == (4 if new_queue < old_queue else 5), d.prefill.reason
+    if new_queue < old_queue:
+        assert d.prefill.action == "hold" and d.prefill.desired == 6, d.prefill.reason
+    assert st.prefill.prefill_engines == (6, 2)
 
 
 def test_capacity_unknown_holds_with_reason() -> None:

@@ -77,6 +77,9 @@ class PoolState:
     landed: tuple[float, int] | None = None
     # When the pool's first decision recorded the fleet it found as a need (``rule_first_look``); None before.
     first_look_at: float | None = None
+    # Prefill: (engines publishing, engines saturated) at the previous sizing, the fleet the queue's
+    # latest change was made on.
+    prefill_engines: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +181,7 @@ class Sizing:
     """A pool's load as the policy judged it (the typed signals). ``want`` is before bounds and budget.
 
     ``demand`` and ``projected`` are in engines' worth of work at 100% (decode: KV or running slots;
-    prefill: engines kept saturated plus the deficit the queue's growth shows); ``needed`` is the
+    prefill: the arrivals the queue's change shows, see ``_prefill_arrivals``); ``needed`` is the
     replica count the projected demand asks for at the target utilisation.
     """
 
@@ -427,12 +430,13 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
 
 
 def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
-    """Prefill demand from the queue: engines kept saturated plus the deficit its growth shows.
+    """Prefill demand from the queue: the arrivals its latest change shows, in engines.
 
     A saturated engine (a queue behind its pass) processes ``engine_rate`` tokens/s, measured from its
-    passes. The queue grows at (arrivals - capacity): slope / rate more engines stop the growth, and
-    the backlog expected when new replicas are ready, drained in ``prefill_drain_s``, asks for more.
-    Until a rate is measured, the queue over ``context_length`` is the load, as upstream's.
+    passes. The queue changes at (arrivals - what the saturated engines process): with the fleet that
+    change was made on, that gives the arrivals (``_prefill_arrivals``); the backlog expected when new
+    replicas are ready, drained in ``prefill_drain_s``, asks for more. Until a rate is measured, the
+    queue over ``context_length`` is the load, as upstream's.
     """
     pool, cfg = view.pool, view.cfg
     th = cfg.effective_thresholds()
@@ -461,6 +465,8 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         engine_rate_tok_s=None if rate is None else round(rate, 1),
     )
     saturated = sum(1 for ld in loads if ld >= up)
+    engines_then, saturated_then = view.state.prefill_engines or (len(loads), saturated)
+    st = replace(st, prefill_engines=(len(loads), saturated))
     if rate is None or rate <= 0 or saturated == 0:
         return _size(view, loads, None, None, slope, up, down, target, sig), st
     deficit = max(slope, 0.0) / rate
@@ -474,13 +480,32 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     # Only while the queue is not shrinking and nothing is on its way: under round-robin routing a
     # backlog stays on its engine, and the replicas asked for take new arrivals, not that backlog.
     late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
-    demand = float(len(loads)) + deficit
+    demand = _prefill_arrivals(engines_then, saturated_then, saturated, slope / rate)
     # Draining a backlog may at most double the fleet: under round-robin routing a backlog stays on
     # the engines that hold it, so more engines beyond that only take new arrivals off them.
     drain = min((backlog + growth) / (rate * cfg.prefill_drain_s), demand)
     projected = demand + drain * target  # the drain term is already in engines at the target
     sig = replace(sig, deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
     return _size(view, loads, demand, projected, slope, up, down, target, sig, late=late), st
+
+
+def _prefill_arrivals(engines_then: int, saturated_then: int, saturated: int, queue_slope: float) -> float:
+    """Engines' worth of arrivals at the prefill pool, from the fleet its queue's latest change was made on.
+
+    ``queue_slope`` is that change in engines (tokens/s over one engine's rate). While the queue grows,
+    the engines then were all busy and the growth is a deficit on top: ``engines_then + queue_slope``.
+    While it shrinks, under round-robin routing each engine receives the same share of arrivals and only
+    the saturated ones' queues move, each by (its share - one engine): the pool receives
+    ``engines_then x (1 + queue_slope / saturated_then)``. Counting every engine publishing now as busy
+    instead reads a backlog left on the old engines as work for the new ones: on the fleet scale's peak,
+    38 engines read as 38 + 12.5 when 25 carried it (docs/planner.md). Never fewer than the engines
+    saturated now: a queue behind its pass keeps an engine busy.
+    """
+    if queue_slope >= 0 or saturated_then <= 0:
+        arrivals = engines_then + max(queue_slope, 0.0)
+    else:
+        arrivals = engines_then * (1.0 + queue_slope / saturated_then)
+    return max(arrivals, float(saturated))
 
 
 def _size(
@@ -663,6 +688,8 @@ def pool_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         return Sizing("idle", f"{pool.name}: no engines publishing"), view.state
     if all(engine_idle(e) for e in pool.engines):
         st = replace(view.state, trend=((now, 0.0),))
+        if pool.name == "prefill":
+            st = replace(st, prefill_engines=(len(pool.engines), 0))
         return Sizing("idle", f"{pool.name}: no scheduled or queued work on {len(pool.engines)} engines"), st
     cfg = view.cfg
     if cfg.target == "sla":
