@@ -154,6 +154,29 @@ def test_a_backlog_on_old_engines_is_not_work_for_new_ones(
     assert st.prefill.prefill_engines == (6, 2)
 
 
+def test_a_backlog_draining_under_least_loaded_routing_reads_low_and_holds() -> None:
+    """A router that sends new arrivals to the idle engines (``--router-mode least-loaded``) leaves the
+    old engines draining at their full rate: the round-robin reading finds no arrivals, counts the
+    saturated engines (never fewer) and holds: no scale-down while a queue is behind a pass."""
+    cfg = config(prefill={"min_replicas": 1, "max_replicas": 12})
+    rate = 512 / 0.02
+    state = PolicyState(
+        prefill=PoolState(trend=((0.0, 400_000.0),), engine_rate=rate, prefill_engines=(6, 2))
+    )
+    drained = 200_000 - int(5 * rate)  # each old engine processed 5 s of its queue and received nothing
+    old = [
+        rec(f"p{i}", s_prefill=1, s_prefill_tokens=512, q_prefill=40, q_prefill_tokens=drained)
+        for i in (0, 1)
+    ]
+    new = [
+        rec(f"p{i}", s_prefill=1, s_prefill_tokens=512, q_prefill=1, q_prefill_tokens=500)
+        for i in range(2, 6)
+    ]
+    d, _ = decide(obs(5.0, old + new, [rec("d0", s_decode=4, s_decode_kv=3000)]), state, cfg)
+    assert d.prefill.signals.demand == pytest.approx(2.0, abs=0.01), d.prefill.reason
+    assert d.prefill.action == "hold" and d.prefill.desired == 6, d.prefill.reason
+
+
 def test_capacity_unknown_holds_with_reason() -> None:
     cfg = config(capacity={})
     unknown = pool("decode", [rec("d0", s_decode=4, s_decode_kv=3000)], capacity=type(CAP)())

@@ -499,7 +499,10 @@ def _prefill_arrivals(engines_then: int, saturated_then: int, saturated: int, qu
     ``engines_then x (1 + queue_slope / saturated_then)``. Counting every engine publishing now as busy
     instead reads a backlog left on the old engines as work for the new ones: on the fleet scale's peak,
     38 engines read as 38 + 12.5 when 25 carried it (docs/planner.md). Never fewer than the engines
-    saturated now: a queue behind its pass keeps an engine busy.
+    saturated now: a queue behind its pass keeps an engine busy. (Round-robin is the frontend's default
+    ``--router-mode``; under ``least-loaded`` or ``kv``, which send new arrivals to idle engines, this
+    reads low while the old ones drain and the pool holds: new engines that fall short saturate in turn,
+    and their growth reads.)
     """
     if queue_slope >= 0 or saturated_then <= 0:
         arrivals = engines_then + max(queue_slope, 0.0)
