@@ -4,10 +4,13 @@ For each combination of the ``--grid`` values it runs our planner on the scenari
 start, and judges the runs with ``dynamo.planner.sim.acceptance`` against the same static fleets and
 upstream runs as ``bench_planner_outcomes.py`` (cached there, searched or run once if missing). Prints
 one line per point: how many targets it meets and which it misses; ``--json`` writes every run. The
-knobs that trade GPU-hours for goodput (default grid) show where the targets conflict.
+knobs that trade GPU-hours for goodput (default grid) show where the targets conflict. ``--seeds 0,1,2``
+judges every point on each seed's traces (each against its own baselines): a setting chosen on one seed
+can turn on a few requests.
 
     python benchmarks/bench_planner_grid.py [--grid 'projection_cap=1,1.5,2'] [--grid 'decode_trend=held']
         [--scenarios a,b] [--startups 0,60] [--config BASE] [--no-upstream] [--jobs N] [--json PATH]
+        [--seeds 0,1,2]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench_planner_outcomes import CACHE, load_cache, static_baseline, upstream_baseline
+from bench_planner_outcomes import CACHE, load_cache, parse_seeds, static_baseline, upstream_baseline
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.acceptance import Check, check
 from dynamo.planner.sim.harness import at_startup, trace_spec
@@ -68,7 +71,19 @@ def _label(point: dict[str, Any]) -> str:
 
 
 def _missed(checks: list[Check]) -> str:
-    return "; ".join(f"{c.scenario} {c.startup_s:g}s {c.criterion} {c.measured}" for c in checks if not c.met)
+    return "; ".join(
+        ("" if c.seed is None else f"seed {c.seed} ")
+        + f"{c.scenario} {c.startup_s:g}s {c.criterion} {c.measured}"
+        for c in checks
+        if not c.met
+    )
+
+
+def _per_seed(checks: list[Check], seeds: list[int]) -> str:
+    """`` (seed 0: 58, seed 1: 57)`` with several seeds, else nothing."""
+    if len(seeds) < 2:
+        return ""
+    return " (" + ", ".join(f"seed {s}: {sum(c.met for c in checks if c.seed == s)}" for s in seeds) + ")"
 
 
 def main() -> int:
@@ -80,7 +95,12 @@ def main() -> int:
     ap.add_argument(
         "--startups", default="0,60", help="cold starts in seconds (default: 0,60, where targets are)"
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds",
+        default=None,
+        help="the traces' seeds, comma-separated: every point runs on each (default: 0)",
+    )
+    ap.add_argument("--seed", type=int, default=None, help="one seed: the same as --seeds N")
     ap.add_argument("--sla-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--sla-itl-ms", type=float, default=50.0)
     ap.add_argument("--config", help="the base config (file or inline) every point is merged over")
@@ -94,6 +114,7 @@ def main() -> int:
             startups = [float(x) for x in args.startups.split(",")]
         except ValueError:
             raise ValueError(f"--startups {args.startups!r}: expected seconds, comma-separated") from None
+        seeds = parse_seeds(args.seeds, args.seed)
         axes = [parse_axis(a) for a in (args.grid or DEFAULT_GRID)]
         base = load_config_arg(args.config)
         points = [
@@ -110,22 +131,33 @@ def main() -> int:
         print(f"upstream planner skipped: {upstream_reason}", file=sys.stderr)
     cache, cache_file = load_cache()
     baselines: list[dict[str, Any]] = []
-    traces: dict[str, str] = {}
-    for name in names:
-        trace = write_trace(name, CACHE / f"{name}-{args.seed}.jsonl", seed=args.seed)
-        traces[name] = str(trace)
-        spec0 = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms)
-        found = static_baseline(trace, spec0, cache, cache_file)
-        if found:
-            baselines.append(
-                {"scenario": name, "startup_s": None, "policy": f"static {found[0]}+{found[0]}", **found[1]}
-            )
-        for startup in startups if not upstream_reason else ():
-            up = upstream_baseline(name, trace, at_startup(spec0, startup), startup, cache, cache_file)
-            if up is not None:
-                baselines.append({"scenario": name, "startup_s": startup, "policy": "upstream-1.6.1", **up})
+    traces: dict[tuple[int, str], str] = {}
+    for seed in seeds:
+        for name in names:
+            trace = write_trace(name, CACHE / f"{name}-{seed}.jsonl", seed=seed)
+            traces[(seed, name)] = str(trace)
+            spec0 = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms)
+            found = static_baseline(trace, spec0, cache, cache_file)
+            if found:
+                policy = f"static {found[0]}+{found[0]}"
+                baselines.append(
+                    {"scenario": name, "startup_s": None, "policy": policy, **found[1], "seed": seed}
+                )
+            for startup in startups if not upstream_reason else ():
+                up = upstream_baseline(name, trace, at_startup(spec0, startup), startup, cache, cache_file)
+                if up is not None:
+                    baselines.append(
+                        {
+                            "scenario": name,
+                            "startup_s": startup,
+                            "policy": "upstream-1.6.1",
+                            **up,
+                            "seed": seed,
+                        }
+                    )
     print(
-        f"{len(points)} points x {len(names)} scenarios x {len(startups)} cold starts, {args.jobs} jobs",
+        f"{len(points)} points x {len(names)} scenarios x {len(startups)} cold starts x {len(seeds)} seeds, "
+        f"{args.jobs} jobs",
         flush=True,
     )
     out: list[dict[str, Any]] = []
@@ -134,14 +166,18 @@ def main() -> int:
         for i, point in enumerate(points, 1):
             cfg = point_config(base, point)
             jobs = [
-                (n, st, traces[n], cfg, args.sla_ttft_ms, args.sla_itl_ms) for n in names for st in startups
+                (seed, (n, st, traces[(seed, n)], cfg, args.sla_ttft_ms, args.sla_itl_ms))
+                for seed in seeds
+                for n in names
+                for st in startups
             ]
-            runs = [f.result() for f in [pool.submit(planner_row, *job) for job in jobs]]
+            futures = [(seed, pool.submit(planner_row, *job)) for seed, job in jobs]
+            runs = [{**f.result(), "seed": seed} for seed, f in futures]
             checks = check(baselines + runs)
             met = sum(c.met for c in checks)
             print(
                 f"[{i}/{len(points)} {time.perf_counter() - t0:.0f} s] {_label(point)}: "
-                f"{met} of {len(checks)} met; missed: {_missed(checks) or 'none'}",
+                f"{met} of {len(checks)} met{_per_seed(checks, seeds)}; missed: {_missed(checks) or 'none'}",
                 flush=True,
             )
             out.append(

@@ -165,9 +165,10 @@ def main() -> int:
     except ValueError:
         print(f"--startups {args.startups!r}: expected seconds, comma-separated", file=sys.stderr)
         return 2
-    seeds = _seeds(args.seeds, args.seed)
-    if isinstance(seeds, str):
-        print(seeds, file=sys.stderr)
+    try:
+        seeds = parse_seeds(args.seeds, args.seed)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     try:
         mapping = merge(SUITE_FLEET_LIMITS, load_config_arg(args.config))
@@ -216,18 +217,18 @@ def main() -> int:
     return 0
 
 
-def _seeds(listed: str | None, one: int | None) -> list[int] | str:
-    """The seeds ``--seeds`` / ``--seed`` ask for (default: 0), or the error to print."""
+def parse_seeds(listed: str | None, one: int | None) -> list[int]:
+    """The seeds ``--seeds`` / ``--seed`` ask for (default: 0); ValueError saying what is wrong."""
     if listed is not None and one is not None:
-        return "--seed and --seeds: give one of them"
+        raise ValueError("--seed and --seeds: give one of them")
     if listed is None:
         return [0 if one is None else one]
     try:
         seeds = [int(x) for x in listed.split(",")]
     except ValueError:
-        return f"--seeds {listed!r}: expected integers, comma-separated"
+        raise ValueError(f"--seeds {listed!r}: expected integers, comma-separated") from None
     if len(set(seeds)) != len(seeds):
-        return f"--seeds {listed!r}: a seed is listed twice"
+        raise ValueError(f"--seeds {listed!r}: a seed is listed twice")
     return seeds
 
 

@@ -26,6 +26,7 @@ def _grid(*args: str) -> subprocess.CompletedProcess[str]:
         (["--grid", "projection_cap=2", "--scenarios", "nope"], "unknown scenario 'nope'"),
         (["--grid", "projection_cap=2", "--startups", "x"], "--startups 'x': expected seconds"),
         (["--grid", "projection_capp=2"], "projection_capp: unknown option"),
+        (["--grid", "projection_cap=2", "--seeds", "0,zero"], "--seeds '0,zero': expected integers"),
     ],
 )
 def test_bad_grids_exit_2_before_simulating(args: list[str], message: str) -> None:
@@ -62,3 +63,32 @@ def test_a_point_is_judged_on_the_real_simulator(tmp_path: Path) -> None:
     assert points[8]["runs"][0]["goodput_pct"] >= 97.0
     assert points[8]["met"] > points[1]["met"]
     assert "most targets met: projection_cap=2 decode.max_replicas=8" in done.stdout
+
+
+def test_each_seed_is_judged_and_counted(tmp_path: Path) -> None:
+    out = tmp_path / "grid.json"
+    done = _grid(
+        "--grid",
+        "decode.max_replicas=8",
+        "--scenarios",
+        "flash-crowd",
+        "--startups",
+        "0",
+        "--seeds",
+        "0,1",
+        "--no-upstream",
+        "--jobs",
+        "2",
+        "--json",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    saved = json.loads(out.read_text())
+    (point,) = saved["points"]
+    assert [r["seed"] for r in point["runs"]] == [0, 1]
+    assert sorted(b["seed"] for b in saved["baselines"]) == [0, 1]  # each seed's own static fleet
+    # 4 targets per seed at 0 s (goodput, GPU-hours, 2 direction changes), counted per seed.
+    per_seed = [sum(1 for r in point["runs"] if r["seed"] == s) for s in (0, 1)]
+    assert per_seed == [1, 1] and point["targets"] == 8
+    assert f"{point['met']} of 8 met (seed 0: " in line and ", seed 1: " in line
