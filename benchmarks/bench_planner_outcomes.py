@@ -253,7 +253,7 @@ def _report_rows(
         t0 = time.perf_counter()
         found = static_baseline(trace, base, cache, cache_file)
         static_gpu_h = found[1]["gpu_hours"] if found else None
-        print(f"  [{name}: static search {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
+        print(f"  [{name} seed {seed}: static search {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
         if found:
             n, s = found
             print(row(name, "-", f"static {n}+{n}", s, static_gpu_h))

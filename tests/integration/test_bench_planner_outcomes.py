@@ -56,3 +56,29 @@ def test_runs_in_worker_processes_equal_one_process(tmp_path: Path) -> None:
             {k: r[k] for k in ("scenario", "policy", "goodput_pct", "gpu_hours", "flips")} for r in saved
         ]
     assert rows["1"] == rows["2"]
+
+
+def test_several_seeds_are_run_and_judged_each_against_its_own_static_fleet(tmp_path: Path) -> None:
+    out = tmp_path / "seeds.json"
+    args = ["--scenarios", "flash-crowd", "--startups", "0", "--no-upstream", "--jobs", "2"]
+    done = _bench(*args, "--seeds", "0,1", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    saved = json.loads(out.read_text())
+    assert [(r["seed"], r["policy"].split()[0]) for r in saved] == [
+        (0, "static"),
+        (0, "ours"),
+        (1, "static"),
+        (1, "ours"),
+    ]
+    lines = done.stdout.splitlines()
+    assert "seed 0" in lines and "seed 1" in lines
+    head = next(i for i, line in enumerate(lines) if line.startswith("acceptance: "))
+    assert lines[head].endswith("targets met over seeds 0, 1")
+    assert lines[head + 1].startswith("  seed 0: ") and lines[head + 2].startswith("  seed 1: ")
+    # The same seed's rows are those a one-seed run writes.
+    one = tmp_path / "one.json"
+    assert _bench(*args, "--seed", "1", "--json", str(one)).returncode == 0
+    keys = ("scenario", "policy", "goodput_pct", "gpu_hours")
+    assert [{k: r[k] for k in keys} for r in json.loads(one.read_text())] == [
+        {k: r[k] for k in keys} for r in saved if r["seed"] == 1
+    ]
