@@ -67,21 +67,8 @@ def test_a_point_is_judged_on_the_real_simulator(tmp_path: Path) -> None:
 
 def test_each_seed_is_judged_and_counted(tmp_path: Path) -> None:
     out = tmp_path / "grid.json"
-    done = _grid(
-        "--grid",
-        "decode.max_replicas=8",
-        "--scenarios",
-        "flash-crowd",
-        "--startups",
-        "0",
-        "--seeds",
-        "0,1",
-        "--no-upstream",
-        "--jobs",
-        "2",
-        "--json",
-        str(out),
-    )
+    flags = "--grid decode.max_replicas=8 --scenarios flash-crowd --startups 0 --seeds 0,1 --no-upstream"
+    done = _grid(*flags.split(), "--jobs", "2", "--json", str(out))
     assert done.returncode == 0, done.stderr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("[")]
     saved = json.loads(out.read_text())
