@@ -407,6 +407,33 @@ def test_every_documented_worker_series_is_served(stack: Stack) -> None:
         assert not left, f"{url}: documented but not served: {left}"
 
 
+async def test_the_planner_reads_the_frontends_arrivals(stack: Stack) -> None:
+    """The planner's arrival source on the real frontend's /metrics: requests per second and mean prompt."""
+    from dynamo.planner.arrivals import FRONTEND_PREFIX, FrontendArrivals
+    from dynamo.prometheus_names import name_prefix
+
+    assert name_prefix.FRONTEND == FRONTEND_PREFIX
+    source = FrontendArrivals([f"{stack.base_url}/metrics"], model=MODEL)
+    assert await source.read(time.monotonic()) is None  # the first scrape sets the baseline
+    t0 = time.monotonic()
+    prompt_tokens = []
+    for _ in range(4):
+        out = await asyncio.to_thread(_complete, stack, prompt=PROMPTS[1], max_tokens=2, temperature=0)
+        prompt_tokens.append(out["usage"]["prompt_tokens"])
+    now = time.monotonic()
+    arrivals = await source.read(now)
+    assert arrivals is not None
+    assert arrivals.window_s == pytest.approx(now - t0, abs=0.5)
+    assert arrivals.requests_per_s * arrivals.window_s == pytest.approx(4, abs=0.01)
+    assert arrivals.mean_isl == pytest.approx(sum(prompt_tokens) / 4)
+    idle = await source.read(time.monotonic() + 1.0)
+    assert idle is not None and idle.requests_per_s == 0.0
+    assert idle.mean_isl == arrivals.mean_isl  # no request completed: the last mean stands
+    other = FrontendArrivals([f"{stack.base_url}/metrics"], model="no-such-model")
+    with pytest.raises(ValueError, match=f"model 'no-such-model' \\(models seen: {MODEL}\\)"):
+        await other.read(time.monotonic())
+
+
 def test_client_disconnect_aborts_the_request(stack: Stack) -> None:
     """Closing the HTTP stream reaches the worker's context, which aborts the request in vLLM.
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
 from dynamo.planner.config import ConfigError, PlannerConfig, config_from_mapping
-from dynamo.planner.observations import WorkerBook
-from dynamo.planner.policy import Decision, PolicyState, PoolState, decide
+from dynamo.planner.observations import Arrivals, WorkerBook
+from dynamo.planner.policy import Decision, PolicyState, PoolState, PoolView, arrival_engines, decide
+from dynamo.planner.sla_model import LinearFit
 from dynamo_fpm_testing.planner_support import CAP, KV, WATCHING, config, heartbeat, obs, pool, rec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -920,3 +921,69 @@ def test_an_aggregated_deployment_asking_for_a_prefill_replica_does_not_hold_dec
     assert d.prefill.action == "scale_up", d.prefill.reason  # below min_replicas 1
     assert d.decode.action == "scale_down", d.decode.reason
     assert d.decode.signals.prefill_rising_to is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Arrivals (docs/planner.md, "Arrivals"): a prefill pool busy without a queue is not consolidated.
+
+# Pass time 10 ms + 20 us per token: in full passes of 512 tokens (CAP) a token costs 39.5 us, so one
+# engine carries 25,300 prompt tokens/s.
+PASS_FIT = LinearFit((0.01, 2e-5), 50)
+TOKEN_S = 2e-5 + 0.01 / 512
+
+
+def _prefill_without_a_queue(
+    cfg: PlannerConfig, arrivals: Arrivals | None, ticks: int = 4
+) -> tuple[Decision, list[Decision]]:
+    """Two prefill engines with passes but no queue (load 0), one decode engine, ``ticks`` decisions."""
+    prefill = [rec(f"p{i}", s_prefill=1, s_prefill_tokens=500) for i in range(2)]
+    decode = [rec("d0", s_decode=4, s_decode_kv=int(0.7 * KV))]
+    state, history = WATCHING, []
+    for i in range(ticks):
+        o = obs(5.0 * i, prefill, decode)
+        o = replace(o, prefill=replace(o.prefill, latency=PASS_FIT), arrivals=arrivals)
+        d, state = decide(o, state, cfg)
+        history.append(d)
+    return history[-1], history
+
+
+@pytest.mark.parametrize(
+    ("tokens_s", "action"),
+    [
+        (0.9 / TOKEN_S, "hold"),  # 0.9 engines' worth: one engine would be 90% busy
+        (0.5 / TOKEN_S, "scale_down"),  # half an engine's worth: one carries it
+    ],
+)
+def test_a_prefill_pool_busy_without_a_queue_is_consolidated_only_if_the_rest_carry_it(
+    tokens_s: float, action: str
+) -> None:
+    """Steady traffic that keeps two prefill engines busy leaves no queue: its load reads 0. Measured on a
+    steady 8 req/s of 8,000-token prompts (docs/planner-evaluation.md): trimmed to one engine, then asked
+    back, every 300 s; with the frontend's arrivals it holds."""
+    cfg = config()
+    last, history = _prefill_without_a_queue(cfg, Arrivals(tokens_s / 1000, 1000.0, 5.0))
+    assert history[-1].prefill.signals.arrival_engines == pytest.approx(tokens_s * TOKEN_S, abs=1e-3)
+    assert [d.prefill.action for d in history][-1] == action, last.prefill.reason
+    if action == "hold":
+        assert all(d.prefill.action == "hold" for d in history)
+        assert "the arrivals keep 0.90 engines busy: on 1 engines 0.90 each >= 0.8" in last.prefill.reason
+    # Without a source (or with it switched off), today's rule: no queue, consolidated.
+    for cfg_, arrivals in ((cfg, None), (config(use_arrivals=False), Arrivals(tokens_s / 1000, 1000.0, 5.0))):
+        last, _ = _prefill_without_a_queue(cfg_, arrivals)
+        assert last.prefill.action == "scale_down", last.prefill.reason
+        assert last.prefill.signals.arrival_engines is None
+
+
+def test_arrival_engines_fall_back_to_the_saturated_rate_and_need_a_model_or_a_rate() -> None:
+    """No pass-time fit: a token costs one over the rate measured on saturated engines; neither: unknown."""
+    prefill = pool("prefill", [rec("p0", s_prefill=1, s_prefill_tokens=500)])
+    arrivals = Arrivals(10.0, 1000.0, 5.0)
+    view = PoolView(prefill, PoolState(), config(), 1, 60.0, arrivals=arrivals)
+    assert arrival_engines(view, 20_000.0) == pytest.approx(0.5)
+    assert arrival_engines(view, None) is None
+    few = replace(prefill, latency=LinearFit((0.01, 2e-5), 3))  # under sla.min_samples: not trusted
+    assert arrival_engines(replace(view, pool=few), None) is None
+    assert arrival_engines(replace(view, pool=replace(prefill, latency=PASS_FIT)), None) == pytest.approx(
+        10_000 * TOKEN_S
+    )
+    assert arrival_engines(replace(view, arrivals=None), 20_000.0) is None

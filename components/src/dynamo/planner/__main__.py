@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--nats-url", help="NATS server (default: env NATS_SERVER, else nats://localhost:4222)")
     run.add_argument(
+        "--frontend-metrics-url",
+        help="the frontends' Prometheus endpoints, comma-separated (every replica), e.g. "
+        "http://frontend:8000/metrics: their request rate keeps a busy prefill pool from being "
+        "consolidated (default: none)",
+    )
+    run.add_argument("--frontend-model", help="count only this model's requests at the frontends")
+    run.add_argument(
         "--event-plane",
         choices=["nats", "zmq"],
         help="event plane of the FPM records and the runtime "
@@ -170,6 +177,8 @@ def effective_config(args: argparse.Namespace, translation: Translation | None =
         "metrics_port",
         "metrics_host",
         "nats_url",
+        "frontend_metrics_url",
+        "frontend_model",
         "event_plane",
         "tui",
     ):
@@ -336,7 +345,12 @@ async def run_planner(
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, addr=cfg.resolved_metrics_host(dict(os.environ)))
     log = DecisionLog(cfg.decision_log, stdout=cfg.json_stdout)
-    planner = Planner(cfg, connector, log=log, metrics=metrics, cards=cards)
+    arrivals = None
+    if cfg.frontend_urls():
+        from .arrivals import FrontendArrivals
+
+        arrivals = FrontendArrivals(cfg.frontend_urls(), model=cfg.frontend_model)
+    planner = Planner(cfg, connector, log=log, metrics=metrics, cards=cards, arrivals=arrivals)
     tracker = FpmTracker(
         cfg.namespace,
         endpoint=cfg.endpoint,

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
+from urllib.parse import urlparse
 
 from dynamo.common.event_plane import resolve_event_plane
 
@@ -180,6 +181,14 @@ class PlannerConfig:
     # what they hold ("held"). A short engine's queue grows at constant arrivals, so "demand" projects a
     # burst's step as a ramp: "held" is cheaper on bursts and later on ramps (docs/planner.md).
     decode_trend: DecodeTrend = "demand"
+    # Use the frontend's arrival rate when a source gives one (the simulator always does; live, see
+    # ``frontend_metrics_url``): a prefill pool busy without a queue is then not consolidated.
+    use_arrivals: bool = True
+    # The frontends' Prometheus endpoints (``http://frontend:8000/metrics``), comma-separated: every
+    # replica, as each counts only its own requests. None = no arrival source (docs/planner.md, "Arrivals").
+    frontend_metrics_url: str | None = None
+    # Count only this model's requests (the frontends' ``model`` label); None = every model they serve.
+    frontend_model: str | None = None
     # Startup assumed until measured (seconds from a scale-up to the new replica's first record).
     expected_startup_s: float = 60.0
     # Decode: an engine's queue counts towards demand up to this many times what it holds.
@@ -237,6 +246,11 @@ class PlannerConfig:
         if self.nats_url and not self.event_plane and not env.get("DYN_EVENT_PLANE"):
             return "nats"  # a NATS server was named on the command line or in the config
         return resolve_event_plane(self.event_plane, env)
+
+    def frontend_urls(self) -> tuple[str, ...]:
+        """``frontend_metrics_url`` split at commas (every frontend replica's endpoint)."""
+        raw = self.frontend_metrics_url or ""
+        return tuple(u.strip() for u in raw.split(",") if u.strip())
 
     def resolved_discovery(self, env: dict[str, str]) -> str:
         if self.discovery_backend:
@@ -314,6 +328,10 @@ def _check(cfg: PlannerConfig) -> None:
     positive("stale_after_s", cfg.stale_after_s)
     positive("max_engines", cfg.max_engines)
     positive("warmup_records", cfg.warmup_records, allow_zero=True)
+    for url in cfg.frontend_urls():
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ConfigError(f"frontend_metrics_url: {url!r} is not an http(s) URL with a host")
     if not 0 < cfg.consolidation_headroom <= 1:
         raise ConfigError(f"consolidation_headroom: must be in (0, 1], got {cfg.consolidation_headroom}")
     if not 0.0 <= cfg.transfer_bound_weight <= 1.0:

@@ -19,11 +19,12 @@ from typing import Any
 from dynamo.common.rate_limited_log import RateLimitedWarning
 from dynamo.common.transport_state import TransportSnapshot
 
+from .arrivals import ArrivalSource
 from .config import PlannerConfig
 from .connector_base import Connector, ConnectorStatus
 from .decision_log import DecisionLog, lines
 from .metrics import PlannerMetrics
-from .observations import WorkerBook
+from .observations import Arrivals, WorkerBook
 from .policy import POOLS, Decision, PolicyState, PoolName, decide, sent_now, settle
 from .tui import CLEAR, render
 
@@ -50,6 +51,7 @@ class Planner:
         metrics: PlannerMetrics | None = None,
         cards: dict[str, Any] | None = None,
         transport: Callable[[], TransportSnapshot] | None = None,
+        arrivals: ArrivalSource | None = None,
     ) -> None:
         self.cfg = cfg
         self.connector = connector
@@ -71,7 +73,10 @@ class Planner:
         self._last_poll: float | None = None
         # The FPM transport's state (the tracker's ``transport``), for the metrics; None = not known.
         self.transport = transport
+        # The frontend's arrival rate (``arrivals.py``); None = decide on the FPM records alone.
+        self.arrivals = arrivals
         self._warn = RateLimitedWarning(logger, "planner rejected an FPM record")
+        self._arrivals_warn = RateLimitedWarning(logger, "arrival source failed")
 
     # ------------------------------------------------------------------ observe
     def on_record(self, worker: Any, subject: str = "") -> None:
@@ -110,6 +115,16 @@ class Planner:
 
     def add_decision_listener(self, fn: Callable[[Decision], None]) -> None:
         self._listeners.append(fn)
+
+    async def _read_arrivals(self, now: float) -> Arrivals | None:
+        """The arrival source's reading; a failed read is logged and decided without (never fatal)."""
+        if self.arrivals is None:
+            return None
+        try:
+            return await self.arrivals.read(now)
+        except Exception as exc:
+            self._arrivals_warn.warn(f"{type(exc).__name__}: {exc}"[:160])
+            return None
 
     def _poll_cards(self) -> None:
         """Discovery and capacity from model cards; a worker whose card vanished left discovery: drop it now.
@@ -153,6 +168,7 @@ class Planner:
             status = ConnectorStatus(settled=False, detail=f"status failed: {exc!r}"[:200])
         self.last_status = status
         pb, db = status.breakdown("prefill"), status.breakdown("decode")
+        arrivals = await self._read_arrivals(now)
         obs = self.book.observe(
             now,
             prefill_replicas=status.prefill,
@@ -160,6 +176,7 @@ class Planner:
             settled=status.settled,
             prefill_starting=None if pb is None else pb.starting,
             decode_starting=None if db is None else db.starting,
+            arrivals=arrivals,
         )
         t0 = time.perf_counter()
         decision, state = decide(obs, self.state, self.cfg)

@@ -142,6 +142,16 @@ class PlannerMetrics:
             "Configured SLA target for inter-token latency (ms)",
             registry=r,
         )
+        self.observed_rps = Gauge(
+            "dynamo_planner_observed_requests_per_second",
+            "Requests per second admitted by the frontends over the last interval (arrival source only)",
+            registry=r,
+        )
+        self.observed_isl = Gauge(
+            "dynamo_planner_observed_input_sequence_tokens",
+            "Mean prompt length of the requests the frontends admitted (arrival source only)",
+            registry=r,
+        )
         self.engines = EngineQueueCollector()
         r.register(self.engines)
         self._gpu_hours = 0.0
@@ -154,6 +164,9 @@ class PlannerMetrics:
     def observe_engines(self, obs: Observation) -> None:
         """Keeps the latest observation; its per-engine series are built when scraped, not per tick."""
         self.engines.latest = obs
+        if obs.arrivals is not None:
+            self.observed_rps.set(obs.arrivals.requests_per_s)
+            self.observed_isl.set(obs.arrivals.mean_isl)
 
     def observe_gpus_running(self, gpus_running: int, now: float) -> None:
         """Integrates the GPUs of the replicas running between ticks into ``dynamo_planner_gpu_hours``."""

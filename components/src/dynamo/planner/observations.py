@@ -62,13 +62,30 @@ class PoolObs:
 
 
 @dataclass(frozen=True, slots=True)
+class Arrivals:
+    """Requests that reached the frontend over its last interval: how many per second, and their mean
+    prompt length. The records show only what the engines hold and queue; an unsaturated prefill pool's
+    records read load 0 however busy it is, so this is what says how much work keeps it busy."""
+
+    requests_per_s: float
+    mean_isl: float  # tokens
+    window_s: float
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.requests_per_s * self.mean_isl
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
-    """Everything one decision needs. ``settled``: the connector reports its last action done."""
+    """Everything one decision needs. ``settled``: the connector reports its last action done.
+    ``arrivals``: the frontend's view of the traffic, when an arrival source is configured."""
 
     now: float
     prefill: PoolObs
     decode: PoolObs
     settled: bool = True
+    arrivals: Arrivals | None = None
 
     def pool(self, name: str) -> PoolObs:
         return self.prefill if name == "prefill" else self.decode
@@ -284,10 +301,12 @@ class WorkerBook:
         settled: bool = True,
         prefill_starting: int | None = None,
         decode_starting: int | None = None,
+        arrivals: Arrivals | None = None,
     ) -> Observation:
         return Observation(
             now,
             self.snapshot("prefill", now, prefill_replicas, prefill_starting),
             self.snapshot("decode", now, decode_replicas, decode_starting),
             settled,
+            arrivals,
         )

@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from .config import PlannerConfig
-from .observations import EngineObs, Observation, PoolObs
+from .observations import Arrivals, EngineObs, Observation, PoolObs
 
 PoolName = Literal["prefill", "decode"]
 POOLS: tuple[PoolName, PoolName] = ("prefill", "decode")
@@ -145,6 +145,7 @@ class Signals:
     # Prefill.
     queued_prefill_tokens: int | None = None
     engine_rate_tok_s: float | None = None
+    arrival_engines: float | None = None  # engines' worth of work the frontend's arrivals bring
     queue_wait_s: float | None = None
     deficit_engines: float | None = None
     drain_engines: float | None = None
@@ -333,6 +334,7 @@ class PoolView:
     replicas: int  # capacity counted: running + asked-for replicas still starting
     lead_s: float  # how long until a replica asked for now would serve
     starting: int = 0  # of ``replicas``, still starting (not publishing yet, not silent)
+    arrivals: Arrivals | None = None  # the frontend's arrival rate, when a source is configured
 
 
 def _per_worker(pool: PoolObs) -> float:
@@ -429,6 +431,28 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     return _size(view, loads, demand, projected, slope, up, down, target, sig, sustained, rising=rising), st
 
 
+def arrival_engines(view: PoolView, rate: float | None) -> float | None:
+    """Engines' worth of prefill work the frontend's arrivals bring, or None when it cannot be told.
+
+    A pass of n prompt tokens takes ``a + b n`` seconds (the pool's pass-time fit, from every warm
+    engine's passes, saturated or not); in a full pass of ``max_num_batched_tokens`` (B) the fixed part
+    is shared, so a token costs ``b + a / B`` seconds. Without a fit, a token costs one over the rate
+    measured on saturated engines. No source, no fit and no rate: None.
+    """
+    arrivals = view.arrivals
+    if arrivals is None or not view.pool.engines:
+        return None
+    tokens_s = arrivals.prompt_tokens_per_s
+    fit = view.pool.latency
+    if fit is not None and fit.samples >= view.cfg.sla.min_samples and len(fit.coef) == 2 and fit.coef[1] > 0:
+        a, b = fit.coef
+        batch = view.pool.engines[0].capacity.max_num_batched_tokens or max(arrivals.mean_isl, 1.0)
+        return tokens_s * (b + max(a, 0.0) / batch)
+    if rate is not None and rate > 0:
+        return tokens_s / rate
+    return None
+
+
 def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     """Prefill demand from the queue: the arrivals its latest change shows, in engines.
 
@@ -467,8 +491,11 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     saturated = sum(1 for ld in loads if ld >= up)
     engines_then, saturated_then = view.state.prefill_engines or (len(loads), saturated)
     st = replace(st, prefill_engines=(len(loads), saturated))
+    busy = arrival_engines(view, rate)
+    if busy is not None:
+        sig = replace(sig, arrival_engines=round(busy, 3))
     if rate is None or rate <= 0 or saturated == 0:
-        return _size(view, loads, None, None, slope, up, down, target, sig), st
+        return _size(view, loads, None, None, slope, up, down, target, sig, busy=busy), st
     deficit = max(slope, 0.0) / rate
     # Until the replicas already asked for serve, the queue keeps growing at this rate.
     probe = view.state.startup_probe
@@ -486,7 +513,7 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     drain = min((backlog + growth) / (rate * cfg.prefill_drain_s), demand)
     projected = demand + drain * target  # the drain term is already in engines at the target
     sig = replace(sig, deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
-    return _size(view, loads, demand, projected, slope, up, down, target, sig, late=late), st
+    return _size(view, loads, demand, projected, slope, up, down, target, sig, late=late, busy=busy), st
 
 
 def _prefill_arrivals(engines_then: int, saturated_then: int, saturated: int, queue_slope: float) -> float:
@@ -524,13 +551,23 @@ def _size(
     sustained: bool = False,
     late: bool = False,
     rising: bool = False,
+    busy: float | None = None,
 ) -> Sizing:
-    """Up / down / steady from per-engine loads and (when known) the projected demand."""
+    """Up / down / steady from per-engine loads and (when known) the projected demand.
+
+    ``busy``: engines' worth of work the measured arrivals bring (prefill); spread over the engines left
+    after a scale-down it is a load too (times ``up``), so a busy pool without a queue is not consolidated.
+    """
     pool = view.pool
     note = ""
     name = pool.name
     mx = max(loads)
     cons, silent, remaining = _consolidated(loads, pool, up)
+    by_arrivals = False
+    if busy is not None:
+        spread_busy = busy / remaining * up if remaining > 0 else math.inf
+        if spread_busy > cons:
+            cons, by_arrivals = spread_busy, True
     sig = replace(
         sig,
         loads=_summ(loads),
@@ -607,6 +644,11 @@ def _size(
             )
         if remaining <= 0:
             why = f"{name} load {mx:.2f} under {down:g}; a single replica, nothing to consolidate"
+        elif by_arrivals:
+            why = (
+                f"{name} load {mx:.2f} under {down:g}, but the arrivals keep {busy:.2f} engines busy: "
+                f"on {remaining:g} engines {cons / up:.2f} each >= {view.cfg.consolidation_headroom:g}"
+            )
         else:
             why = (
                 f"{name} load {mx:.2f} under {down:g} "
@@ -1000,7 +1042,15 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     missing = rule_mismatch(d, obs, cfg)
     if d.done:
         return d
-    view = PoolView(pool, d.st, cfg, d.replicas, _lead(d.st, cfg), _starting(d, pool.starting))
+    view = PoolView(
+        pool,
+        d.st,
+        cfg,
+        d.replicas,
+        _lead(d.st, cfg),
+        _starting(d, pool.starting),
+        obs.arrivals if cfg.use_arrivals else None,
+    )
     sizing, d.st = pool_sizing(view, obs.now)
     d.sizing = sizing
     if sizing.want == "up" and sizing.needed is not None:

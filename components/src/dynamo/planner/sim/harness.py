@@ -28,6 +28,7 @@ from .connector import POOLS, SimCardSource, SimulatorConnector, engine_capacity
 from .inputs import check_trace, engine_args, merge_traces
 from .records import queue_snapshot, to_record
 from .stats import direction_flips, percentile
+from .traffic import SimArrivals, arrivals_from
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,15 @@ class PlannerPolicy:
             "decode": SimCardSource(self.connector, "decode", engine_capacity(spec.decode_engine_args)),
         }
         self.log = DecisionLog(decision_log) if decision_log else None
+        self.arrivals = SimArrivals()
         self.planner = Planner(
-            cfg, self.connector, clock=self._clock, wall=self._clock, log=self.log, cards=cards
+            cfg,
+            self.connector,
+            clock=self._clock,
+            wall=self._clock,
+            log=self.log,
+            cards=cards,
+            arrivals=self.arrivals,
         )
         self.loop = asyncio.new_event_loop()
         self.run = _Run()
@@ -127,6 +135,7 @@ class PlannerPolicy:
         t0 = time.perf_counter()
         self.now = float(snapshot["now_ms"]) / 1000.0
         self.connector.snapshot = snapshot
+        self.arrivals.latest = arrivals_from(snapshot.get("traffic"))
         queued = self._feed(snapshot)
         decision = self.loop.run_until_complete(self.planner.tick())
         sent = self.connector.take_targets()
