@@ -250,6 +250,7 @@ def test_scenarios_are_seeded_and_cover_the_suite(tmp_path: Path) -> None:
         "flash-crowd",
         "opposite-shift",
         "slow-wave",
+        "steady",
     }
     assert wanted <= SCENARIOS.keys() and "fleet-scale" in SCENARIOS
     a = write_trace("slow-wave", tmp_path / "a.jsonl", seed=3).read_bytes()

@@ -987,3 +987,32 @@ def test_arrival_engines_fall_back_to_the_saturated_rate_and_need_a_model_or_a_r
         10_000 * TOKEN_S
     )
     assert arrival_engines(replace(view, arrivals=None), 20_000.0) is None
+
+
+def test_a_new_short_queue_scales_prefill_only_at_a_second_look() -> None:
+    """A Poisson burst on a busy prefill pool leaves a queue for one interval; a shortage keeps it.
+
+    The engine's passes show 25,600 tokens/s; the TTFT target is 500 ms. A 0.2 s queue the last
+    decision did not see holds (and records no need); still there and growing at the next, it scales.
+    A queue already over half the target scales at once, and so does any queue with the rule off."""
+    cfg = config()
+    decode = [rec("d0", s_decode=4, s_decode_kv=int(0.7 * KV))]
+    calm = [rec("p0", s_prefill=1, s_prefill_tokens=500)]
+    burst = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=4, q_prefill_tokens=5000)]
+    _, state = decide(obs(0.0, calm, decode), WATCHING, cfg)
+    first, state = decide(obs(5.0, burst, decode), state, cfg)
+    assert first.prefill.action == "hold", first.prefill.reason
+    assert "a 0.20s queue new since the last decision: scaling if it stays" in first.prefill.reason
+    assert state.prefill.needs == ()  # nothing for the stabilization to hold later
+    grown = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=5, q_prefill_tokens=6000)]
+    second, _ = decide(obs(10.0, grown, decode), state, cfg)
+    assert (second.prefill.action, second.prefill.desired) == ("scale_up", 2), second.prefill.reason
+    gone, _ = decide(obs(10.0, calm, decode), state, cfg)
+    assert gone.prefill.action == "hold" and gone.prefill.desired == 1, gone.prefill.reason
+    late = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=16_000)]
+    at_once, _ = decide(obs(5.0, late, decode), decide(obs(0.0, calm, decode), WATCHING, cfg)[1], cfg)
+    assert at_once.prefill.action == "scale_up", at_once.prefill.reason  # 0.63 s > 0.25 s
+    off = config(prefill_second_look=False)
+    _, state = decide(obs(0.0, calm, decode), WATCHING, off)
+    d, _ = decide(obs(5.0, burst, decode), state, off)
+    assert d.prefill.action == "scale_up", d.prefill.reason

@@ -26,6 +26,7 @@ def _scenario(*phases: Phase) -> Scenario:
         ("idle-gap", 2, 2),  # 6 req/s, nothing, 6 req/s
         ("opposite-shift", 1, 2),  # decode is high at both ends, low in the middle
         ("slow-wave", 3, 3),  # three 5-minute periods in 15 minutes
+        ("steady", 0, 0),  # one constant phase: any change of direction is one too many
         ("fleet-scale", 1, 1),
     ],
 )

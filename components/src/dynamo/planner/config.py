@@ -193,6 +193,9 @@ class PlannerConfig:
     expected_startup_s: float = 60.0
     # Decode: an engine's queue counts towards demand up to this many times what it holds.
     decode_queue_weight: float = 1.0
+    # Prefill: a queue the previous decision did not see scales the pool up only if it is still there at
+    # the next one, unless it already waits over half the TTFT target (a burst, not a shortage).
+    prefill_second_look: bool = True
     # Prefill: the backlog expected when new replicas are ready is sized to drain in this long.
     prefill_drain_s: float = 60.0
     # A worker that published nothing for this long is dropped.

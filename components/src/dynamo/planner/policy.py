@@ -513,7 +513,14 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     drain = min((backlog + growth) / (rate * cfg.prefill_drain_s), demand)
     projected = demand + drain * target  # the drain term is already in engines at the target
     sig = replace(sig, deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
-    return _size(view, loads, demand, projected, slope, up, down, target, sig, late=late, busy=busy), st
+    sizing = _size(view, loads, demand, projected, slope, up, down, target, sig, late=late, busy=busy)
+    if cfg.prefill_second_look and sizing.want == "up" and not late and saturated_then == 0:
+        # A queue the previous decision did not see, short of the TTFT target: a Poisson burst on a busy
+        # pool makes one (a steady 8 req/s of 8,000-token prompts on 2 engines: 30-70k tokens, 0.5-0.8 s,
+        # gone 5 s later); a pool that is short keeps it, and scales up one interval later.
+        why = sizing.why + f"; a {wait_s:.2f}s queue new since the last decision: scaling if it stays"
+        return replace(sizing, want="steady", why=why, needed=None), st
+    return sizing, st
 
 
 def _prefill_arrivals(engines_then: int, saturated_then: int, saturated: int, queue_slope: float) -> float:

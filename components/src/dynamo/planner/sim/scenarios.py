@@ -105,6 +105,13 @@ SCENARIOS: dict[str, Scenario] = {
             (Phase(900, _wave(2, 16, 300), 3000, 800, peak_rate=16),),
         ),
         Scenario(
+            "steady",
+            "a constant 8 req/s of 8,000-token prompts (OSL 100) for 20 minutes on the fleet it needs, 2+1: "
+            "two prefill engines busy without a queue, nothing to do",
+            (Phase(1200, 8, 8000, 100),),
+            initial=(2, 1),
+        ),
+        Scenario(
             "fleet-scale",
             "a fleet of 32-64 engines per pool at the peak: 60 -> 200 -> 60 req/s, ISL 6000, OSL 400",
             (Phase(120, 60, 6000, 400), Phase(240, 200, 6000, 400), Phase(180, 60, 6000, 400)),
