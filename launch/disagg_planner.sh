@@ -52,5 +52,6 @@ start worker-prefill "GPU_POOL=$GPU_POOL" -- "$LAUNCH_DIR/worker_exec.sh" "$PYTH
 start worker-decode "GPU_POOL=$GPU_POOL" -- "$LAUNCH_DIR/worker_exec.sh" "$PYTHON" -m dynamo.vllm --model "$MODEL" \
     --disaggregation-mode decode --namespace "$NAMESPACE" --kv-transfer-config "$KV_TRANSFER_CONFIG" $WORKER_ARGS
 start planner -- "$PYTHON" -m dynamo.planner run --config "$PLANNER_CONFIG" --connector local \
-    --namespace "$NAMESPACE" --decision-log "$DECISION_LOG"
+    --namespace "$NAMESPACE" --decision-log "$DECISION_LOG" \
+    --frontend-metrics-url "http://127.0.0.1:${HTTP_PORT}/metrics"
 wait_any

@@ -7,8 +7,8 @@ load. Writing them down once lets every run say which it meets instead of a read
 
 Rows may carry a ``seed`` (the trace's): each seed is judged against its own static fleet and upstream
 run, and the report says how many seeds meet each target, since one seed's verdict can turn on a few
-requests (seeds 0-2 moved the default's count by up to 2 of the 61 targets at 0 and 60 s cold start before the
-steady scenario: docs/planner-evaluation.md).
+requests (seeds 0-2 give the default 65, 64 and 64 of the 68 targets at 0 and 60 s cold start:
+docs/planner-evaluation.md).
 """
 
 from __future__ import annotations
