@@ -198,6 +198,9 @@ def planner_config(cfg: DemoConfig) -> dict[str, object]:
         "action_timeout_s": 300.0,
         "connector": "local",
         "discovery_backend": "file",  # model cards (capacity) from the demo's file discovery
+        # The frontend's request counters: the arrival rate that keeps a busy prefill pool from shrinking.
+        "frontend_metrics_url": f"{cfg.base_url}/metrics",
+        "frontend_model": cfg.served_model_name,
         "decision_log": str(cfg.decision_path),
         "local": {
             # Aggregated: the prefill pool is pinned at 0 replicas; its template is never used.

@@ -475,6 +475,8 @@ def test_the_planner_accepts_the_demos_config(tmp_path: Path, agg: bool) -> None
     assert effective["decode"]["max_replicas"] == 2
     assert effective["prefill"]["max_replicas"] == (0 if agg else 2)
     assert effective["local"]["initial_decode"] == 1
+    assert effective["frontend_metrics_url"] == "http://127.0.0.1:8999/metrics"  # the demo's own frontend
+    assert effective["frontend_model"] == "tiny"
 
 
 def test_stall_is_measured_only_while_requests_are_in_flight() -> None:
