@@ -175,6 +175,9 @@ class PlannerConfig:
     trend_window_s: float = 40.0
     # A trend this consistent (r squared of its line) may trigger a scale-up ahead of today's demand.
     trend_min_r2: float = 0.7
+    # Decode: a rise over the trend window under this many standard deviations of the wander of the
+    # requests in flight does not trigger a scale-up ahead (needs the arrivals; 0 = off; docs/planner.md).
+    trend_noise_z: float = 3.0
     # The projected growth is at most this many times today's demand.
     projection_cap: float = 2.0
     # Decode: the trend sized for is that of the engines' demand, queues included ("demand"), or of
@@ -324,6 +327,7 @@ def _check(cfg: PlannerConfig) -> None:
     positive("trend_window_s", cfg.trend_window_s, allow_zero=True)
     positive("scale_down_stabilization_s", cfg.scale_down_stabilization_s, allow_zero=True)
     positive("projection_cap", cfg.projection_cap, allow_zero=True)
+    positive("trend_noise_z", cfg.trend_noise_z, allow_zero=True)
     if cfg.late_landing_s is not None:
         positive("late_landing_s", cfg.late_landing_s, allow_zero=True)
     positive("expected_startup_s", cfg.expected_startup_s, allow_zero=True)

@@ -388,11 +388,12 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     # times what they hold. A queue behind full slots says the pool is short, not by how much: the
     # backlog stays with its engine (it drains there), so counted in full it sizes the fleet for a moment.
     cap = cfg.decode_queue_weight
-    demand = held_total = 0.0
+    demand = held_total = requests = 0.0
     for e in pool.engines:
         dd = decode_demand(e, cfg.transfer_bound_weight, up)
         load = decode_load(e, dd)
         loads.append(load)
+        requests += dd.requests
         transfer += dd.transfer_tokens
         waiting += dd.waiting_tokens
         bound += dd.transfer_bound
@@ -426,9 +427,28 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     # A consistent rise holds a scale-down from 4 samples; it triggers a scale-up ahead of today's demand
     # (the costly direction) from 6, so that one step after three flat samples does not read as a ramp.
     rising = len(samples) >= 4 and slope > 0 and r2 >= cfg.trend_min_r2
-    sustained = rising and len(samples) >= 6
+    sustained = rising and len(samples) >= 6 and _beyond_noise(view, samples, slope, demand, requests)
     sig = replace(sig, trend_r2=round(r2, 3))
     return _size(view, loads, demand, projected, slope, up, down, target, sig, sustained, rising=rising), st
+
+
+def _beyond_noise(
+    view: PoolView, samples: tuple[tuple[float, float], ...], slope: float, demand: float, requests: float
+) -> bool:
+    """Is the window's rise more than ``trend_noise_z`` standard deviations of the requests' wander?
+
+    At a steady rate the count of R requests in flight is Poisson and changes over a span t by a
+    standard deviation of sqrt(2 R min(t / life, 1)) requests (a request's life = R / arrival rate):
+    a 40 s window over requests that live 30 s can rise consistently by chance alone. Demand is about
+    proportional to the count. Without the arrivals (no life to compare with) every rise passes.
+    """
+    arrivals, z = view.arrivals, view.cfg.trend_noise_z
+    if z <= 0 or arrivals is None or arrivals.requests_per_s <= 0 or requests < 1 or len(samples) < 2:
+        return True
+    span = samples[-1][0] - samples[0][0]
+    life = requests / arrivals.requests_per_s
+    wander = demand * math.sqrt(2.0 * min(span / life, 1.0) / requests)
+    return slope * span >= z * wander
 
 
 def arrival_engines(view: PoolView, rate: float | None) -> float | None:
