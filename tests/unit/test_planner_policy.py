@@ -1018,29 +1018,38 @@ def test_a_new_short_queue_scales_prefill_only_at_a_second_look() -> None:
     assert d.prefill.action == "scale_up", d.prefill.reason
 
 
-def _decode_rise(per_engine: list[int], **over: Any) -> list[str]:
+def _decode_rise(per_engine: list[int], **over: Any) -> list[Decision]:
     """Two decode engines whose running requests go through ``per_engine`` (one look per 5 s), with the
-    frontend's 4 req/s (requests that live about 13-25 s): the decode pool's action at each look."""
+    frontend's 4 req/s (requests that live about 13-25 s): the decisions."""
     cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, trend_window_s=40.0, **over)
-    state, actions = PolicyState(), list[str]()
+    state, out = PolicyState(), []
     for i, n in enumerate(per_engine):
         decode = [rec(f"d{k}", s_decode=n, s_decode_kv=n * 10) for k in range(2)]
         o = replace(obs(5.0 * i, [heartbeat("p0")], decode), arrivals=Arrivals(4.0, 1000.0, 5.0))
         d, state = decide(o, state, cfg)
-        actions.append(d.decode.action)
-    return actions
+        out.append(d)
+    return out
+
+
+def _scaled_up(decisions: list[Decision]) -> bool:
+    return any(d.decode.action == "scale_up" for d in decisions)
 
 
 def test_a_rise_within_the_requests_wander_does_not_scale_ahead() -> None:
     """52 -> 74 requests in flight over 35 s, in a straight line: a 3-sigma wander of 74 requests living
     18 s is 0.57 engines of slots, the rise 0.34; the trend alone (no gate) asks for a third engine."""
     wander = [26, 28, 29, 31, 32, 34, 35, 37]
-    assert "scale_up" not in _decode_rise(wander)
-    assert "scale_up" in _decode_rise(wander, trend_noise_z=0.0)
+    held = _decode_rise(wander)
+    assert not _scaled_up(held)
+    sig = held[-1].decode.signals
+    assert sig.trend_rise == pytest.approx(22 / 64, abs=0.02) and sig.trend_noise == pytest.approx(
+        0.57, abs=0.01
+    )
+    assert _scaled_up(_decode_rise(wander, trend_noise_z=0.0))
     # Twice as steep (52 -> 100): beyond the wander, scales ahead with the gate on.
     growth = [26, 29, 33, 36, 40, 43, 47, 50]
-    assert "scale_up" in _decode_rise(growth)
-    assert "scale_up" not in _decode_rise(growth, trend_noise_z=100.0)  # the trend's ask, through the gate
+    assert _scaled_up(_decode_rise(growth))
+    assert not _scaled_up(_decode_rise(growth, trend_noise_z=100.0))  # the trend's ask, through the gate
 
 
 def test_trend_noise_z_is_validated() -> None:

@@ -140,6 +140,8 @@ class Signals:
     transfer_bound_engines: int | None = None
     slot_load_max: float | None = None
     held_slope: float | None = None  # ``decode_trend: held``: the slope sized for, engines per second
+    trend_rise: float | None = None  # the trend's rise over its window, engines
+    trend_noise: float | None = None  # ``trend_noise_z`` standard deviations of the requests' wander, engines
     late_landing_from: int | None = None  # a scale-up from this many landed after its load: needs forgotten
     prefill_rising_to: int | None = None  # a scale-down held: prefill is scaling up to this many replicas
     # Prefill.
@@ -427,28 +429,34 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     # A consistent rise holds a scale-down from 4 samples; it triggers a scale-up ahead of today's demand
     # (the costly direction) from 6, so that one step after three flat samples does not read as a ramp.
     rising = len(samples) >= 4 and slope > 0 and r2 >= cfg.trend_min_r2
-    sustained = rising and len(samples) >= 6 and _beyond_noise(view, samples, slope, demand, requests)
+    noise = _trend_noise(view, samples, demand, requests)
+    if noise is not None:
+        sig = replace(sig, trend_rise=round(slope * _span(samples), 4), trend_noise=round(noise, 4))
+    sustained = rising and len(samples) >= 6 and (noise is None or slope * _span(samples) >= noise)
     sig = replace(sig, trend_r2=round(r2, 3))
     return _size(view, loads, demand, projected, slope, up, down, target, sig, sustained, rising=rising), st
 
 
-def _beyond_noise(
-    view: PoolView, samples: tuple[tuple[float, float], ...], slope: float, demand: float, requests: float
-) -> bool:
-    """Is the window's rise more than ``trend_noise_z`` standard deviations of the requests' wander?
+def _span(samples: tuple[tuple[float, float], ...]) -> float:
+    return samples[-1][0] - samples[0][0] if samples else 0.0
+
+
+def _trend_noise(
+    view: PoolView, samples: tuple[tuple[float, float], ...], demand: float, requests: float
+) -> float | None:
+    """How far the demand may rise over the trend's window by chance: ``trend_noise_z`` standard
+    deviations of the requests' wander, in engines; None when it cannot be told (no arrivals) or is off.
 
     At a steady rate the count of R requests in flight is Poisson and changes over a span t by a
     standard deviation of sqrt(2 R min(t / life, 1)) requests (a request's life = R / arrival rate):
     a 40 s window over requests that live 30 s can rise consistently by chance alone. Demand is about
-    proportional to the count. Without the arrivals (no life to compare with) every rise passes.
+    proportional to the count.
     """
     arrivals, z = view.arrivals, view.cfg.trend_noise_z
     if z <= 0 or arrivals is None or arrivals.requests_per_s <= 0 or requests < 1 or len(samples) < 2:
-        return True
-    span = samples[-1][0] - samples[0][0]
+        return None
     life = requests / arrivals.requests_per_s
-    wander = demand * math.sqrt(2.0 * min(span / life, 1.0) / requests)
-    return slope * span >= z * wander
+    return z * demand * math.sqrt(2.0 * min(_span(samples) / life, 1.0) / requests)
 
 
 def arrival_engines(view: PoolView, rate: float | None) -> float | None:
