@@ -187,7 +187,8 @@ async def test_requests_waiting_for_real_transfers_are_queued_decode_then_schedu
     # (published_at, epoch ms, mapped onto this process's monotonic clock). This process is only the
     # test's receiver: in a full suite on CI (stop 26) it received none of the records sent during the
     # hold before the hold was over (19 records in all, as many as a passing run gets), which says
-    # nothing about the engine. A receiver blocked for the hold reproduces that failure here.
+    # nothing about the engine. With this process's loop blocked for the hold, the receiver-clock window
+    # failed here too (its first record 2.6 s after submit); this one passes.
     sent = [ms / 1000.0 - epoch_minus_monotonic for ms in sent_ms]
     lags = [round(t - sent[i], 2) for i, (t, _) in enumerate(records)]
     context = (
@@ -216,6 +217,11 @@ async def test_requests_waiting_for_real_transfers_are_queued_decode_then_schedu
     what = f"(start after submit, running s) of each gap: {gaps}; {context}"
     assert len(steady) >= 4, what
     assert max(g for _, g in gaps) < 1.5, what
+    # The engine's sender wrote each snapshot on its own, as it was made (published_at, the sender's
+    # clock; the receiver's delays do not count). An engine loop stepping only parked requests used to keep
+    # the sender from the GIL until the next snapshot: two went out in one write, 0.1-0.25 s late, and
+    # once the first with all three requests reached CI's receiver 1.62 s after submit. The scheduler now
+    # hands each snapshot over (``wait_sent``).
     steady_sent = [sent_ms[i] for i in in_window if sent[i] >= first_parked]
     assert min(b - a for a, b in itertools.pairwise(steady_sent)) >= 150, f"sent at (ms): {steady_sent}"
     # Once the KV arrived: scheduled as decode, nothing queued.

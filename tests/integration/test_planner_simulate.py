@@ -327,24 +327,9 @@ def test_smallest_passing_finds_the_threshold_in_few_calls(threshold: int) -> No
 
 
 def _simulate_json(trace: Path, *args: str) -> dict[str, Any]:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dynamo.planner",
-            "simulate",
-            "--trace",
-            str(trace),
-            "--json",
-            "--quiet",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    summary: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    done = _cli("--trace", str(trace), "--json", "--quiet", *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return summary
 
 

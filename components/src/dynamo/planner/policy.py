@@ -429,10 +429,10 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     # A consistent rise holds a scale-down from 4 samples; it triggers a scale-up ahead of today's demand
     # (the costly direction) from 6, so that one step after three flat samples does not read as a ramp.
     rising = len(samples) >= 4 and slope > 0 and r2 >= cfg.trend_min_r2
-    noise = _trend_noise(view, samples, demand, requests)
+    rise, noise = slope * _span(samples), _trend_noise(view, samples, demand, requests)
     if noise is not None:
-        sig = replace(sig, trend_rise=round(slope * _span(samples), 4), trend_noise=round(noise, 4))
-    sustained = rising and len(samples) >= 6 and (noise is None or slope * _span(samples) >= noise)
+        sig = replace(sig, trend_rise=round(rise, 4), trend_noise=round(noise, 4))
+    sustained = rising and len(samples) >= 6 and (noise is None or rise >= noise)
     sig = replace(sig, trend_r2=round(r2, 3))
     return _size(view, loads, demand, projected, slope, up, down, target, sig, sustained, rising=rising), st
 
