@@ -1055,3 +1055,63 @@ def test_a_rise_within_the_requests_wander_does_not_scale_ahead() -> None:
 def test_trend_noise_z_is_validated() -> None:
     with pytest.raises(ConfigError, match="trend_noise_z"):
         config(trend_noise_z=-1.0)
+
+
+def _saturated_engine_filling(rates: list[float], **over: Any) -> Decision:
+    """One decode engine, slots full from the first look, its queue growing by 14 requests per 5 s
+    (2.8 req/s) while the frontend admits ``rates`` (one look per 5 s): the last decision."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0, **over)
+    state = PolicyState()
+    for i, rate in enumerate(rates):
+        decode = [rec("d0", s_decode=64, s_decode_kv=KV // 2, q_decode=14 * i, q_decode_kv=100 * i)]
+        o = replace(obs(5.0 * i, [heartbeat("p0")], decode), arrivals=Arrivals(rate, 1000.0, 5.0))
+        d, state = decide(o, state, cfg)
+    return d
+
+
+def test_a_saturated_pool_is_projected_no_further_than_its_arrivals_need() -> None:
+    """6 req/s arrive, the queue grows 2.8 req/s: the engine completes 3.2 req/s, so the arrivals keep
+    6 / 3.2 = 1.9 engines busy. The trend of the growing queue projects 4.5 engines one startup ahead
+    (6 replicas); the bound, 1.5 x 1.9 = 2.8 engines, asks for 4."""
+    d = _saturated_engine_filling([6.0] * 5)
+    s = d.decode.sizing
+    assert s is not None and s.demand == pytest.approx(1.875)
+    assert d.decode.signals.completed_per_s == pytest.approx(3.2)
+    assert d.decode.signals.throughput_bound == pytest.approx(1.5 * 6 / 3.2, abs=1e-3)
+    assert s.projected == pytest.approx(1.5 * 6 / 3.2, abs=1e-3) and s.needed == 4
+    off = _saturated_engine_filling([6.0] * 5, throughput_cap=0.0).decode
+    assert off.sizing is not None and off.sizing.needed is not None and off.sizing.needed >= 6
+    assert off.signals.throughput_bound is None
+    # Without arrivals the bound cannot be told: the trend sizes alone.
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0)
+    state = PolicyState()
+    for i in range(5):
+        decode = [rec("d0", s_decode=64, s_decode_kv=KV // 2, q_decode=14 * i, q_decode_kv=100 * i)]
+        blind, state = decide(obs(5.0 * i, [heartbeat("p0")], decode), state, cfg)
+    assert blind.decode.sizing is not None and blind.decode.sizing.needed == off.sizing.needed
+
+
+def test_the_throughput_bound_follows_a_consistent_rise_in_arrivals() -> None:
+    """Arrivals 6 -> 8 req/s in a straight line: the bound is sized for the arrivals one startup (60 s)
+    ahead, 8 + 0.1 x 60 = 14 req/s, over the 8 - 2.8 = 5.2 req/s the engine completes."""
+    d = _saturated_engine_filling([6.0, 6.5, 7.0, 7.5, 8.0])
+    assert d.decode.signals.completed_per_s == pytest.approx(5.2)
+    assert d.decode.signals.throughput_bound == pytest.approx(1.5 * 14 / 5.2, abs=1e-3)
+
+
+def test_an_unsaturated_pool_has_no_throughput_bound() -> None:
+    """Slots 60 of 64 with a growing KV: nothing queues behind a full engine, so its completions are not
+    what it can do; the trend sizes alone."""
+    cfg = config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0)
+    state = PolicyState()
+    for i in range(6):
+        decode = [rec("d0", s_decode=60, s_decode_kv=int((0.3 + 0.1 * i) * KV))]
+        o = replace(obs(5.0 * i, [heartbeat("p0")], decode), arrivals=Arrivals(6.0, 1000.0, 5.0))
+        d, state = decide(o, state, cfg)
+    assert d.decode.signals.throughput_bound is None and d.decode.signals.completed_per_s is None
+
+
+def test_throughput_cap_is_validated() -> None:
+    with pytest.raises(ConfigError, match="throughput_cap"):
+        config(throughput_cap=-1.0)
+    assert config(throughput_cap=0).throughput_cap == 0

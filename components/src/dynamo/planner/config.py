@@ -178,6 +178,10 @@ class PlannerConfig:
     # Decode: a rise over the trend window under this many standard deviations of the wander of the
     # requests in flight does not trigger a scale-up ahead (needs the arrivals; 0 = off; docs/planner.md).
     trend_noise_z: float = 3.0
+    # Decode: while every engine is saturated, the trend's projection is at most this many times the
+    # engines the arrivals expected one startup ahead keep busy at the pool's measured completions
+    # (needs the arrivals; 0 = off; docs/planner.md).
+    throughput_cap: float = 1.5
     # The projected growth is at most this many times today's demand.
     projection_cap: float = 2.0
     # Decode: the trend sized for is that of the engines' demand, queues included ("demand"), or of
@@ -328,6 +332,7 @@ def _check(cfg: PlannerConfig) -> None:
     positive("scale_down_stabilization_s", cfg.scale_down_stabilization_s, allow_zero=True)
     positive("projection_cap", cfg.projection_cap, allow_zero=True)
     positive("trend_noise_z", cfg.trend_noise_z, allow_zero=True)
+    positive("throughput_cap", cfg.throughput_cap, allow_zero=True)
     if cfg.late_landing_s is not None:
         positive("late_landing_s", cfg.late_landing_s, allow_zero=True)
     positive("expected_startup_s", cfg.expected_startup_s, allow_zero=True)

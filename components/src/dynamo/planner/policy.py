@@ -80,6 +80,11 @@ class PoolState:
     # Prefill: (engines publishing, engines saturated) at the previous sizing, the fleet the queue's
     # latest change was made on.
     prefill_engines: tuple[int, int] | None = None
+    # Decode, with arrivals: (time, requests per second the frontend admitted) inside the trend window,
+    # since the arrivals last resumed from none; and (time, requests the engines hold or queue) while
+    # every engine has been saturated (``_throughput_bound``).
+    arrival_trend: tuple[tuple[float, float], ...] = ()
+    saturated_requests: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +147,8 @@ class Signals:
     held_slope: float | None = None  # ``decode_trend: held``: the slope sized for, engines per second
     trend_rise: float | None = None  # the trend's rise over its window, engines
     trend_noise: float | None = None  # ``trend_noise_z`` standard deviations of the requests' wander, engines
+    completed_per_s: float | None = None  # requests a saturated decode pool completes per second
+    throughput_bound: float | None = None  # ``throughput_cap`` x what the arrivals ahead need, engines
     late_landing_from: int | None = None  # a scale-up from this many landed after its load: needs forgotten
     prefill_rising_to: int | None = None  # a scale-down held: prefill is scaling up to this many replicas
     # Prefill.
@@ -434,7 +441,48 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         sig = replace(sig, trend_rise=round(rise, 4), trend_noise=round(noise, 4))
     sustained = rising and len(samples) >= 6 and (noise is None or rise >= noise)
     sig = replace(sig, trend_r2=round(r2, 3))
+    throughput, st = _throughput_bound(view, st, now, loads, requests)
+    if throughput is not None:
+        completed, limit = throughput
+        sig = replace(sig, completed_per_s=round(completed, 4), throughput_bound=round(limit, 4))
+        projected = min(projected, max(limit, demand))
     return _size(view, loads, demand, projected, slope, up, down, target, sig, sustained, rising=rising), st
+
+
+def _throughput_bound(
+    view: PoolView, st: PoolState, now: float, loads: list[float], requests: float
+) -> tuple[tuple[float, float] | None, PoolState]:
+    """(requests completed per second, the engines' bound on the projection), or None when it cannot be
+    told: a saturated decode pool's throughput says how many engines the arrivals expected one startup
+    ahead keep busy, whatever its demand's trend reads.
+
+    While every engine is saturated (load >= 1: slots or KV full, a queue behind them), the pool completes
+    what arrives less what it piles up: arrivals - the growth of the requests it holds and queues (their
+    slope while saturated, from 3 samples). A queue that keeps growing on a short pool reads as a rising
+    trend, and a startup's projection of it asks for replicas a burst's steady load never fills
+    (docs/planner-evaluation.md, "Measured in session 19"). The arrivals ahead are today's plus their own
+    consistent rise over the startup (a ramp); a resumption from none starts their window afresh, since a
+    step from zero is an onset, not a trend. The bound is ``throughput_cap`` times arrivals ahead over
+    each engine's completions.
+    """
+    arrivals, cfg = view.arrivals, view.cfg
+    if arrivals is None or cfg.throughput_cap <= 0 or arrivals.requests_per_s <= 0:
+        return None, replace(st, arrival_trend=(), saturated_requests=())
+    rate = arrivals.requests_per_s
+    admitted = _within(st.arrival_trend, cfg.trend_window_s, now, rate)
+    st = replace(st, arrival_trend=admitted)
+    if not loads or min(loads) < 1.0:
+        return None, replace(st, saturated_requests=())
+    held = _within(st.saturated_requests, cfg.trend_window_s, now, requests)
+    st = replace(st, saturated_requests=held)
+    completed = rate - trend_slope(held)
+    if len(held) < 3 or completed <= 0:
+        return None, st
+    ahead = rate
+    slope, r2 = trend_fit(admitted)
+    if len(admitted) >= 4 and slope > 0 and r2 >= cfg.trend_min_r2:
+        ahead += slope * view.lead_s
+    return (completed, cfg.throughput_cap * ahead * len(loads) / completed), st
 
 
 def _span(samples: tuple[tuple[float, float], ...]) -> float:
