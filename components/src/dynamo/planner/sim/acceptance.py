@@ -7,7 +7,7 @@ load. Writing them down once lets every run say which it meets instead of a read
 
 Rows may carry a ``seed`` (the trace's): each seed is judged against its own static fleet and upstream
 run, and the report says how many seeds meet each target, since one seed's verdict can turn on a few
-requests (seeds 0-2 give the default 65, 65 and 64 of the 68 targets at 0 and 60 s cold start:
+requests (seeds 0-2 give the default 67, 66 and 64 of the 68 targets at 0 and 60 s cold start:
 docs/planner-evaluation.md).
 """
 
