@@ -205,6 +205,9 @@ class PlannerConfig:
     prefill_second_look: bool = True
     # Prefill: the backlog expected when new replicas are ready is sized to drain in this long.
     prefill_drain_s: float = 60.0
+    # Prefill: the scale-down stabilization also holds the replicas asked for to drain a backlog (true:
+    # as before session 19); false holds only what the arrivals need, so the drain's leave once it is done.
+    hold_prefill_drain: bool = False
     # A worker that published nothing for this long is dropped.
     stale_after_s: float = 5.0
     # Engines (worker_id, dp_rank) held per book, both pools together, and by the tracker; beyond that the

@@ -204,6 +204,9 @@ class Sizing:
     consolidated: float | None = None
     slope: float | None = None
     signals: Signals = Signals()
+    # What the scale-down stabilization holds of ``needed``, when less (prefill: the arrivals' need, not
+    # the replicas a backlog's drain asked for on top); None: all of it.
+    held_need: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,6 +599,10 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         # gone 5 s later); a pool that is short keeps it, and scales up one interval later.
         why = sizing.why + f"; a {wait_s:.2f}s queue new since the last decision: scaling if it stays"
         return replace(sizing, want="steady", why=why, needed=None), st
+    if not cfg.hold_prefill_drain and sizing.want == "up":
+        # The drain's replicas are for a backlog that ends: once it has drained, only the arrivals' need
+        # is held against a dip (docs/planner.md, "Sizing").
+        sizing = replace(sizing, held_need=_needed_replicas(demand / target, pool))
     return sizing, st
 
 
@@ -1137,7 +1144,8 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     sizing, d.st = pool_sizing(view, obs.now)
     d.sizing = sizing
     if sizing.want == "up" and sizing.needed is not None:
-        need = min(sizing.needed, cfg.pool(name).max_replicas)
+        held = sizing.needed if sizing.held_need is None else sizing.held_need
+        need = min(held, cfg.pool(name).max_replicas)
         d.st = replace(d.st, needs=_within(d.st.needs, cfg.scale_down_stabilization_s, obs.now, need))
     d.signals = replace(d.signals.merged(sizing.signals), want=sizing.want)
     rule_late_landing(d, obs, cfg)
