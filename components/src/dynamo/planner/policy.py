@@ -77,6 +77,7 @@ class PoolState:
     landed: tuple[float, int] | None = None
     # When the pool's first decision recorded the fleet it found as a need (``rule_first_look``); None before.
     first_look_at: float | None = None
+    first_look_replicas: int | None = None  # the replicas it found then
     # Prefill: (engines publishing, engines saturated) at the previous sizing, the fleet the queue's
     # latest change was made on.
     prefill_engines: tuple[int, int] | None = None
@@ -894,7 +895,7 @@ def rule_first_look(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
         return
     window = cfg.scale_down_stabilization_s
     needs = _within(d.st.needs, window, obs.now, d.pool.replicas) if window > 0 else d.st.needs
-    d.st = replace(d.st, first_look_at=obs.now, needs=needs)
+    d.st = replace(d.st, first_look_at=obs.now, first_look_replicas=d.pool.replicas, needs=needs)
 
 
 def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
@@ -1068,7 +1069,9 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         recent = max((n for _, n in held), default=0)
         if recent >= cur:
             first = d.st.first_look_at
-            if first is not None and all(t == first for t, n in held if n == recent):
+            # Found at the first look, not asked for by that tick's sizing (both are recorded at that time).
+            found = recent == d.st.first_look_replicas
+            if first is not None and found and all(t == first for t, n in held if n == recent):
                 why = f"; the {recent} replicas found at the planner's first look {now - first:.0f}s ago"
             else:
                 why = f"; {recent} replicas were needed within {window:g}s"
