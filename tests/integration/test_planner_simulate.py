@@ -326,6 +326,29 @@ def test_smallest_passing_finds_the_threshold_in_few_calls(threshold: int) -> No
     assert smallest_passing(lambda n: False, 64) is None
 
 
+@pytest.mark.parametrize(
+    ("threshold", "start"), [(1, 64), (40, 12), (12, 12), (13, 12), (11, 12), (64, 100), (3, 1)]
+)
+def test_smallest_passing_from_a_start_finds_the_same_threshold(threshold: int, start: int) -> None:
+    """A search that starts near the answer (the fleet scale's static fleet from its starting 12+12)
+    finds the same fleet without trying the small fleets below both, the slowest runs."""
+    from dynamo.planner.sim.baselines import smallest_passing
+
+    calls: list[int] = []
+
+    def ok(n: int) -> bool:
+        calls.append(n)
+        return n >= threshold
+
+    assert smallest_passing(ok, 64, start) == threshold
+    start = min(start, 64)
+    assert min(calls) >= min(start, threshold) // 2
+    distance = abs(threshold.bit_length() - start.bit_length())
+    assert len(calls) <= distance + 2 + max(threshold, start).bit_length()
+    assert smallest_passing(lambda n: False, 64, start) is None
+    assert smallest_passing(lambda n: True, 64, start) == 1
+
+
 def _simulate_json(trace: Path, *args: str) -> dict[str, Any]:
     done = _cli("--trace", str(trace), "--json", "--quiet", *args)
     assert done.returncode == 0, done.stderr[-2000:]

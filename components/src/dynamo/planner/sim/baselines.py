@@ -2,7 +2,9 @@
 
 A static fleet's workers are ready from the start, so its outcome does not depend on the cold start.
 Goodput grows with N (more engines never slow a request here), so a doubling search then a bisection
-finds the smallest N in about 2 log2(N) runs.
+finds the smallest N in about 2 log2(N) runs. Starting the doubling from a fleet known to be near the
+answer (a scenario's starting fleet) skips the small fleets, which are the slowest runs: an overloaded
+fleet's simulator holds every queued request (the fleet scale's 1+1 runs 125 s, its 64+64 44 s).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ def cheapest_static(
     target_pct: float = 95.0,
     max_n: int = 128,
     run: Callable[[SimSpec, int], dict[str, Any]] = static_summary,
+    start: int = 1,
 ) -> tuple[int, dict[str, Any]] | None:
     """(N, summary) of the smallest N+N fleet with goodput >= ``target_pct``; None if ``max_n`` is not
-    enough."""
+    enough. ``start``: where the search begins (the same answer, in fewer runs when it is close)."""
     tried: dict[int, dict[str, Any]] = {}
 
     def ok(n: int) -> bool:
@@ -33,19 +36,29 @@ def cheapest_static(
             tried[n] = run(spec, n)
         return float(tried[n]["goodput_pct"]) >= target_pct
 
-    n = smallest_passing(ok, max_n)
+    n = smallest_passing(ok, max_n, start)
     return None if n is None else (n, tried[n])
 
 
-def smallest_passing(ok: Callable[[int], bool], max_n: int) -> int | None:
-    """Smallest n in [1, max_n] with ``ok(n)``, for a monotone ``ok``: doubling, then bisection (about
-    2 log2(n) calls); None if not even ``max_n`` passes."""
-    hi = 1
-    while not ok(hi):
-        if hi >= max_n:
-            return None
-        hi = min(hi * 2, max_n)
-    lo = hi // 2  # known to fail (or 0)
+def smallest_passing(ok: Callable[[int], bool], max_n: int, start: int = 1) -> int | None:
+    """Smallest n in [1, max_n] with ``ok(n)``, for a monotone ``ok``: doubling up (or halving down)
+    from ``start``, then bisection (about 2 log2 of the distance's ratio calls); None if not even
+    ``max_n`` passes."""
+    if max_n < 1:
+        raise ValueError(f"max_n must be >= 1, got {max_n}")
+    hi = min(max(start, 1), max_n)
+    if ok(hi):
+        lo = hi // 2  # halve down until a fleet fails (or 0: n = 1 passes)
+        while lo >= 1 and ok(lo):
+            hi, lo = lo, lo // 2
+    else:
+        while True:
+            if hi >= max_n:
+                return None
+            lo, hi = hi, min(hi * 2, max_n)
+            if ok(hi):
+                break
+    # ok(hi) holds and ok(lo) fails (lo = 0 stands for "nothing smaller").
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if ok(mid):
