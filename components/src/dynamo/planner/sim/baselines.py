@@ -42,8 +42,8 @@ def cheapest_static(
 
 def smallest_passing(ok: Callable[[int], bool], max_n: int, start: int = 1) -> int | None:
     """Smallest n in [1, max_n] with ``ok(n)``, for a monotone ``ok``: doubling up (or halving down)
-    from ``start``, then bisection (about 2 log2 of the distance's ratio calls); None if not even
-    ``max_n`` passes."""
+    from ``start`` until the answer is bracketed (one call per factor of 2 between them), then bisection
+    of that bracket (log2 of its width); None if not even ``max_n`` passes."""
     if max_n < 1:
         raise ValueError(f"max_n must be >= 1, got {max_n}")
     hi = min(max(start, 1), max_n)
