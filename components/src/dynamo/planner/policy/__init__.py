@@ -1,0 +1,99 @@
+"""The scaling policy: a pure function from observations and a small state to a decision with reasons.
+
+No I/O, no clock (``Observation.now`` is passed in), no randomness, so every rule is testable in
+microseconds and replayable offline. Per pool, ordered rules (each a named function in ``rules``, like
+the stages of Kubernetes' HPA) draft a decision; then the interval guard and the GPU budget apply to both:
+
+0. ``rule_first_look``: the fleet found at the planner's first decision is recorded as a need, so the
+   stabilization holds it (the HPA's initial recommendation).
+1. ``rule_in_flight``: replicas asked for and still starting are capacity to come (the pool sizes on
+   top of them instead of waiting); a scale-down in flight holds; an action not done after
+   ``action_timeout_s`` is given up and the pool asks for what is actually running.
+2. ``rule_bounds``: outside [min, max] -> back in (down by at most ``scale_down_step``).
+3. ``rule_mismatch``: replicas != publishing workers (beyond those starting): hold for
+   ``mismatch_grace_s``, then decide with the silent ones counted as loaded (never a scale-down).
+4. ``rule_idle``: no work at all for ``idle_window_s`` -> down towards the minimum.
+5. ``rule_load``: proportional sizing. The pool's demand, projected to when a new replica would be
+   ready (its trend over ``trend_window_s`` times the measured startup), over what one engine carries
+   at the target -> the replicas needed; several may be added at once. Down only when the
+   consolidated load fits, for ``scale_down_window_s``, by at most ``scale_down_step``, never while
+   the trend says the load comes back within a startup.
+6. ``apply_interval_guard`` and ``apply_budget``: at most one action per pool per interval; the GPU
+   budget is never exceeded (draining replicas still count); an ask that does not fit is cut to what
+   fits, and if nothing fits the other pool gives a replica when its consolidated load allows.
+
+``settle()`` applies the connector's outcome (sent, failed, dry run) to the state, so the loop and the
+replay never edit policy state themselves.
+
+The modules, each with one job: ``state`` (names, what a pool remembers), ``decision`` (signals, sizing,
+decisions), ``demand`` and ``trend`` (an engine's work; sample windows and their line), ``view`` (what a
+sizing reads, shared arithmetic), ``decode``, ``prefill`` and ``sla`` (the three sizings), ``verdict``
+(up / down / steady from a sizing's demand), ``sizing`` (which sizing a pool gets), ``rules`` (the per-pool
+rules), ``fleet`` (the passes over both pools) and ``step`` (``decide`` and ``settle``).
+"""
+
+from __future__ import annotations
+
+from .decision import Decision, PoolDecision, Signals, Sizing, Summary
+from .decode import decode_sizing
+from .demand import DecodeDemand, decode_demand, decode_load, engine_idle
+from .fleet import apply_budget, apply_decode_follows_prefill, apply_interval_guard
+from .prefill import arrival_engines, prefill_sizing
+from .rules import (
+    Draft,
+    draft_pool,
+    rule_bounds,
+    rule_first_look,
+    rule_idle,
+    rule_in_flight,
+    rule_late_landing,
+    rule_load,
+    rule_mismatch,
+)
+from .sizing import pool_sizing
+from .state import POOLS, Action, InFlight, PolicyState, PoolName, PoolState, Want, other
+from .step import decide, sent_now, settle
+from .trend import trend_fit, trend_slope
+from .view import PoolView
+
+__all__ = [
+    "POOLS",
+    "Action",
+    "Decision",
+    "DecodeDemand",
+    "Draft",
+    "InFlight",
+    "PolicyState",
+    "PoolDecision",
+    "PoolName",
+    "PoolState",
+    "PoolView",
+    "Signals",
+    "Sizing",
+    "Summary",
+    "Want",
+    "apply_budget",
+    "apply_decode_follows_prefill",
+    "apply_interval_guard",
+    "arrival_engines",
+    "decide",
+    "decode_demand",
+    "decode_load",
+    "decode_sizing",
+    "draft_pool",
+    "engine_idle",
+    "other",
+    "pool_sizing",
+    "prefill_sizing",
+    "rule_bounds",
+    "rule_first_look",
+    "rule_idle",
+    "rule_in_flight",
+    "rule_late_landing",
+    "rule_load",
+    "rule_mismatch",
+    "sent_now",
+    "settle",
+    "trend_fit",
+    "trend_slope",
+]
