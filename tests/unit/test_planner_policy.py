@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 from dynamo.planner.config import ConfigError, PlannerConfig, config_from_mapping
 from dynamo.planner.observations import Arrivals, WorkerBook
-from dynamo.planner.policy import Decision, PolicyState, PoolState, PoolView, arrival_engines, decide
+from dynamo.planner.policy import (
+    Decision,
+    InFlight,
+    PolicyState,
+    PoolState,
+    PoolView,
+    arrival_engines,
+    decide,
+)
 from dynamo.planner.sla_model import LinearFit
 from dynamo_fpm_testing.planner_support import CAP, KV, WATCHING, config, heartbeat, obs, pool, rec
 from hypothesis import given, settings
@@ -1146,3 +1154,23 @@ def test_the_stabilization_does_not_hold_a_drained_backlogs_replicas() -> None:
     held = _prefill_after_a_drained_backlog(hold_prefill_drain=True)
     assert all(d.prefill.action == "hold" for d in held[1:])
     assert "2 replicas were needed within 300s (stabilization)" in held[-1].prefill.reason
+
+
+def test_a_scale_down_that_reached_its_target_does_not_hold_a_scale_up() -> None:
+    """2 -> 1 sent, one replica publishing, the released one still draining (the connector is busy): an onset
+    now is sized at once, not after the drain (the opposite shift at 0 s, seed 4: a trim 2 -> 1 at 460 s held
+    the pool for 20 s into a step; 96.1% -> 97.4% goodput). With a GPU budget the draining replica still holds
+    its GPUs, so the pool waits for it."""
+    drained = replace(WATCHING.decode, in_flight=InFlight(1, 2, 0.0), last_action_at=0.0)
+    state = replace(WATCHING, decode=drained)
+    busy = [rec("d0", s_decode=64, s_decode_kv=KV // 2, q_decode=20, q_decode_kv=1000)]
+    o = obs(10.0, [rec("p0")], busy, settled=False)
+    d, after = decide(o, state, config())
+    assert (d.decode.action, d.decode.desired) == ("scale_up", 2), d.decode.reason
+    assert after.decode.in_flight is not None and after.decode.in_flight.target == 2
+    d, _ = decide(o, state, config(gpu_budget=8))
+    assert d.decode.action == "hold" and "waiting for action 2->1" in d.decode.reason, d.decode.reason
+    # Not reached (two still publishing): it waits whatever the budget.
+    two = [*busy, rec("d1", s_decode=64, s_decode_kv=KV // 2, q_decode=20, q_decode_kv=1000)]
+    d, _ = decide(obs(10.0, [rec("p0")], two, settled=False), state, config())
+    assert d.decode.action == "hold" and "waiting for action 2->1" in d.decode.reason, d.decode.reason

@@ -70,14 +70,19 @@ def rule_first_look(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
 
 
 def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
-    """Starting replicas are capacity to come; a drain in flight holds; a stuck action is given up."""
+    """Starting replicas are capacity to come; a drain in flight holds; a stuck action is given up.
+
+    A scale-down is done once the replicas publishing are down to its target, though the released one
+    may still drain (the connector is busy): the pool is sized meanwhile. With a GPU budget it waits for
+    the connector, since the draining replica still holds its GPUs and only the action in flight counts them.
+    """
     fl = d.st.in_flight
     if fl is None:
         return
     now, pool = obs.now, d.pool
     up = fl.target >= fl.previous
     reached = pool.workers >= fl.target if up else pool.workers <= fl.target
-    if reached and (obs.settled or up):
+    if reached and (obs.settled or up or cfg.gpu_budget is None):
         # Only a landing slower than ``late_landing_s`` is late (see ``rule_late_landing``).
         late = up and cfg.late_landing_s is not None and now - fl.since >= cfg.late_landing_s
         d.st = replace(d.st, in_flight=None, landed=(now, fl.previous) if late else None)
