@@ -7,7 +7,8 @@ the stages of Kubernetes' HPA) draft a decision; then the interval guard and the
 0. ``rule_first_look``: the fleet found at the planner's first decision is recorded as a need, so the
    stabilization holds it (the HPA's initial recommendation).
 1. ``rule_in_flight``: replicas asked for and still starting are capacity to come (the pool sizes on
-   top of them instead of waiting); a scale-down in flight holds; an action not done after
+   top of them instead of waiting); a scale-down in flight holds until the replicas publishing are
+   down to its target (and, with a GPU budget, until the connector settles); an action not done after
    ``action_timeout_s`` is given up and the pool asks for what is actually running.
 2. ``rule_bounds``: outside [min, max] -> back in (down by at most ``scale_down_step``).
 3. ``rule_mismatch``: replicas != publishing workers (beyond those starting): hold for
