@@ -798,6 +798,19 @@ def test_engine_hooks_act_only_in_a_workers_engine_processes() -> None:
     assert hooks.is_engine_process({hooks.WORKER_PID_ENV: "10"}, 11)
 
 
+def test_a_worker_that_is_pid_1_owns_its_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's (or PID namespace's) PID 1 is compared with the owner before the walk stops there."""
+    from dynamo.vllm import engine_hooks as hooks
+
+    parents = {30: 20, 20: 1, 1: 0}
+    monkeypatch.setattr(hooks, "_parent_of", parents.get)
+    assert hooks.below(1, 1)  # the worker is PID 1 and the engine's parent
+    assert hooks.below(30, 1)  # a model-runner below EngineCore below the PID-1 worker
+    assert hooks.below(30, 20)
+    assert not hooks.below(1, 20)  # reparented to init: the worker is gone
+    assert not hooks.below(30, 99)
+
+
 def test_eager_logprob_ranks_count_what_vllm_counts() -> None:
     import torch
     from dynamo.vllm.cpu_host import logprob_ranks
@@ -865,5 +878,40 @@ def test_an_engine_process_whose_worker_is_already_gone_ends_at_once() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(30)
     env = {**os.environ, engine_hooks.WORKER_PID_ENV: str(gone.pid)}
-    child = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT, "child"], env=env, timeout=30)
+    child = subprocess.run(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, "child"],
+        env=env,
+        timeout=30,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert child.returncode == 1
+    assert f"is not worker pid {gone.pid}" in child.stderr, child.stderr  # says why, in one line
+
+
+def test_an_engine_process_below_a_pid_1_worker_stays(tmp_path: Path) -> None:
+    """The worker as PID 1 of its own PID namespace (as in a container): its engine process keeps running."""
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "unshare (util-linux) is needed for this test"
+    script = tmp_path / "pid1.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "from dynamo.vllm import engine_hooks\n"
+        "assert os.getpid() == 1, os.getpid()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'from dynamo.vllm import engine_hooks; "
+        'engine_hooks.register(); import time; time.sleep(2); print("engine alive", flush=True)\'],'
+        " env={**os.environ, engine_hooks.WORKER_PID_ENV: str(os.getpid())})\n"
+        "sys.exit(child.wait(30))\n"
+    )
+    run = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "engine alive" in run.stdout

@@ -53,12 +53,18 @@ def _parent_of(pid: int) -> int | None:
 
 
 def below(pid: int, owner: int) -> bool:
-    """Whether ``pid`` is ``owner`` or one of its descendants (parents read with psutil)."""
+    """Whether ``pid`` is ``owner`` or one of its descendants (parents read with psutil).
+
+    The owner is compared before the walk stops at PID 1: a worker that is its container's (or PID
+    namespace's) PID 1 owns its engines like any other.
+    """
     seen = 0
     current: int | None = pid
-    while current is not None and current > 1 and seen < 64:
+    while current is not None and seen < 64:
         if current == owner:
             return True
+        if current <= 1:
+            return False
         current, seen = _parent_of(current), seen + 1
     return False
 
@@ -79,7 +85,14 @@ def die_with_parent(owner: int) -> bool:
         return False
     # The parent may have ended between our fork and the prctl: the kernel then never signals us, and this
     # process now hangs below some other reaper, no longer below the worker.
-    if not below(os.getppid(), owner):
+    parent = os.getppid()
+    if not below(parent, owner):
+        # One line on stderr, flushed: the process ends before any logging handler would write.
+        sys.stderr.write(
+            f"dynamo engine hooks: pid {os.getpid()} exits: its parent pid {parent} is not worker pid {owner}"
+            " nor below it (the worker ended before this engine process tied its life to it)\n"
+        )
+        sys.stderr.flush()
         os._exit(1)
     return True
 
