@@ -24,6 +24,7 @@ from dynamo_fpm_testing.worker_support import (
     Proc,
     base_env,
     complete,
+    kv_transfer_config_json,
     model_ready,
     scrape,
     start_frontend,
@@ -141,14 +142,17 @@ def kv_stack(
     nats_url: str | None,
     modes: Sequence[str] = ("kv", "round-robin"),
     workers: int = 2,
-    worker_args: Sequence[str] = (),
     event_plane: str = "nats",
+    disaggregated: bool = False,
 ) -> Iterator[KvStack]:
-    """``workers`` aggregated workers publishing KV events, one frontend per router mode; all stopped
-    after."""
+    """``workers`` workers publishing KV events (aggregated, or prefill workers with one decode worker that
+    publishes none, as upstream recommends), one frontend per router mode; all stopped after."""
     file_kv = work / "discovery"
     file_kv.mkdir()
     env = base_env(file_kv, nats_url, DYN_EVENT_PLANE=event_plane)
+    role: list[str] = []
+    if disaggregated:
+        role = ["--kv-transfer-config", kv_transfer_config_json("kv_both"), "--disaggregation-mode"]
     with ExitStack() as stack:
         procs: list[Proc] = []
         kv_workers: list[KvWorker] = []
@@ -164,11 +168,17 @@ def kv_stack(
                 str(metrics_port),
                 "--kv-events-config",
                 kv_events_config_json(stable_free_port()),
-                *worker_args,
+                *([*role, "prefill"] if role else []),
             )
             stack.callback(proc.stop)
             procs.append(proc)
             kv_workers.append(KvWorker(proc, f"http://127.0.0.1:{metrics_port}/metrics", f"worker{i}"))
+        if role:
+            decode = start_worker(
+                model_dir, env, work / "decode.log", "--served-model-name", MODEL, *role, "decode"
+            )
+            stack.callback(decode.stop)
+            procs.append(decode)
         frontends: dict[str, str] = {}
         for mode in modes:
             port = free_port()
@@ -178,9 +188,10 @@ def kv_stack(
             frontends[mode] = f"http://127.0.0.1:{port}"
         for url in frontends.values():
             wait_until(lambda url=url: model_ready(url, MODEL), timeout=300, procs=procs)
-        # Every worker registered (the model is ready with one): both serve before the first turn.
+        # Every worker registered (the model is ready with one): all serve before the first turn.
+        for proc in procs[: workers + (1 if role else 0)]:
+            wait_until(lambda p=proc: "ready: " in p.log(), timeout=300, procs=procs)
         for worker in kv_workers:
-            wait_until(lambda w=worker: "ready: " in w.proc.log(), timeout=300, procs=procs)
             worker.read_worker_id()
         yield KvStack(frontends, kv_workers, file_kv, procs)
 
