@@ -3,9 +3,10 @@ decode worker publishes none (upstream's guidance: prefill workers are routed by
 by load), and the runtime's KV router (``python -m dynamo.frontend --router-mode kv``) sends each turn's
 prefill to the prefill worker that holds the conversation's prefix.
 
-As in ``test_kv_routing_e2e.py``: first turns through a round-robin frontend (the conversations start on
-both prefill workers), the rest through the ``kv`` one; which prefill worker served a turn, and its
-prefix-cache hits, come from that worker's own vLLM counters.
+On the ZMQ event plane with no NATS server at all (``test_kv_routing_e2e.py`` runs on NATS): between the
+two files the KV events travel on both of the runtime's planes. As there: first turns through a round-robin
+frontend (the conversations start on both prefill workers), the rest through the ``kv`` one; which prefill
+worker served a turn, and its prefix-cache hits, come from that worker's own vLLM counters.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from dynamo_fpm_testing.kv_routing import conversation, kv_stack, router_events_applied, stickiness
-from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 
 pytest.importorskip("nixl")
 pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
@@ -23,10 +23,8 @@ CONVERSATIONS = 3
 TURNS = 4
 
 
-def test_prefill_turns_follow_their_prefix(
-    tmp_path: Path, tiny_model_dir: Path, nats_server: EmbeddedNatsServer
-) -> None:
-    with kv_stack(tmp_path, tiny_model_dir, nats_server.url, disaggregated=True) as stack:
+def test_prefill_turns_follow_their_prefix(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with kv_stack(tmp_path, tiny_model_dir, None, event_plane="zmq", disaggregated=True) as stack:
         conversations = {c: conversation(300 + c, TURNS) for c in range(CONVERSATIONS)}
         placements: dict[int, list[int]] = {c: [] for c in conversations}
         hits_on_server: list[float] = []

@@ -16,7 +16,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.runtime]
 
 
 def _config(**overrides: object) -> SimpleNamespace:
-    values: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+    values: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+    }
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -27,7 +31,9 @@ def test_one_source_per_local_rank_at_vllms_offsets() -> None:
         kv_events.KvEventSource(2, "tcp://127.0.0.1:5559"),
         kv_events.KvEventSource(3, "tcp://127.0.0.1:5560"),
     )
-    assert kv_events.plan(_config(), True, 0, 1).sources == (kv_events.KvEventSource(0, "tcp://127.0.0.1:5557"),)
+    assert kv_events.plan(_config(), True, 0, 1).sources == (
+        kv_events.KvEventSource(0, "tcp://127.0.0.1:5557"),
+    )
 
 
 def test_the_vllm_config_a_worker_builds_from_the_flag_plans_the_same() -> None:
