@@ -275,7 +275,7 @@ class WorkerRun:
         vllm_config = self.engine.vllm_config
         start = self.capacity.data_parallel_start_rank
         self.kv_plan = kv_events.plan(
-            vllm_config.kv_events_config,
+            getattr(vllm_config, "kv_events_config", None),
             bool(vllm_config.cache_config.enable_prefix_caching),
             start,
             local_engines,
