@@ -139,6 +139,8 @@ def start_publishers(endpoint: Any, sources: tuple[KvEventSource, ...], block_si
 
 def stop_publishers(publishers: list[Any]) -> None:
     """Shut the publishers down; a failure to stop one is not the worker's exit reason."""
+    if publishers:
+        log.info("KV events stopped for %d dp rank(s)", len(publishers))
     for publisher in publishers:
         try:
             publisher.shutdown()
