@@ -108,6 +108,7 @@ class KvStack:
     workers: list[KvWorker]
     file_kv: Path
     procs: list[Proc] = field(default_factory=list)
+    decode: Proc | None = None  # disaggregated: the decode worker
 
     def snapshot(self) -> list[Counters]:
         return [w.counters() for w in self.workers]
@@ -144,9 +145,11 @@ def kv_stack(
     workers: int = 2,
     event_plane: str = "nats",
     disaggregated: bool = False,
+    decode_args: Sequence[str] = (),
 ) -> Iterator[KvStack]:
     """``workers`` workers publishing KV events (aggregated, or prefill workers with one decode worker that
-    publishes none, as upstream recommends), one frontend per router mode; all stopped after."""
+    publishes none, as upstream recommends, with ``decode_args`` added), one frontend per router mode; all
+    stopped after."""
     file_kv = work / "discovery"
     file_kv.mkdir()
     env = base_env(file_kv, nats_url, DYN_EVENT_PLANE=event_plane)
@@ -175,7 +178,14 @@ def kv_stack(
             kv_workers.append(KvWorker(proc, f"http://127.0.0.1:{metrics_port}/metrics", f"worker{i}"))
         if role:
             decode = start_worker(
-                model_dir, env, work / "decode.log", "--served-model-name", MODEL, *role, "decode"
+                model_dir,
+                env,
+                work / "decode.log",
+                "--served-model-name",
+                MODEL,
+                *role,
+                "decode",
+                *decode_args,
             )
             stack.callback(decode.stop)
             procs.append(decode)
@@ -193,7 +203,7 @@ def kv_stack(
             wait_until(lambda p=proc: "ready: " in p.log(), timeout=300, procs=procs)
         for worker in kv_workers:
             worker.read_worker_id()
-        yield KvStack(frontends, kv_workers, file_kv, procs)
+        yield KvStack(frontends, kv_workers, file_kv, procs, procs[workers] if role else None)
 
 
 def stickiness(placements: dict[int, list[int]]) -> tuple[int, int]:
