@@ -11,6 +11,7 @@ worker served a turn, and its prefix-cache hits, come from the workers' own vLLM
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow]
 # Odd, so that round-robin over two workers cannot keep a conversation on one worker by accident.
 CONVERSATIONS = 3
 TURNS = 5
+BLOCK = 32  # the workers' --block-size (worker_support.ENGINE_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,38 @@ def test_round_robin_does_not_follow_the_prefix(stack: KvStack) -> None:
     same, total = stickiness(placements)
     print(f"round-robin: {same}/{total} turns on the previous turn's worker")
     assert same < 0.9 * total, placements
+
+
+async def test_events_of_a_worker_discovery_does_not_list_change_nothing(
+    stack: KvStack, tiny_model_dir: Path, nats_server: EmbeddedNatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publisher whose worker never registered (a stray process, a worker already gone) claims a whole
+    conversation's prompt: the router still sends the turn to the registered worker that holds its prefix."""
+    from dynamo.llm import KvEventPublisher
+    from dynamo.runtime import DistributedRuntime
+    from transformers import AutoTokenizer
+
+    prompts = conversation(400, 2)
+    first, _, _ = await asyncio.to_thread(stack.send, "round-robin", prompts[0])
+    monkeypatch.setenv("DYN_FILE_KV", str(stack.file_kv))
+    monkeypatch.setenv("NATS_SERVER", nats_server.url)
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="nats")
+    try:
+        stray = runtime.endpoint("dynamo.backend.generate")  # never served, never in discovery
+        publisher = KvEventPublisher(stray, kv_block_size=BLOCK)
+        token_ids = AutoTokenizer.from_pretrained(tiny_model_dir)(prompts[1])["input_ids"]
+        blocks = len(token_ids) // BLOCK
+        applied = router_events_applied(stack.frontends["kv"])
+        publisher.publish_stored(
+            token_ids[: blocks * BLOCK], [BLOCK] * blocks, list(range(7_000, 7_000 + blocks))
+        )
+        await asyncio.sleep(1.0)  # the event plane delivers in milliseconds
+        served, _, _ = await asyncio.to_thread(stack.send, "kv", prompts[1])
+        publisher.shutdown()
+    finally:
+        runtime.shutdown()
+    assert served == first
+    print(f"stray publisher: router applied {router_events_applied(stack.frontends['kv']) - applied} events")
 
 
 def test_a_stopped_worker_leaves_the_router(stack: KvStack) -> None:
