@@ -2,7 +2,8 @@
 
 It loads, stays invisible (the frontend has no model, no FPM record arrives), registers on SIGUSR1 in well
 under a second and serves; SIGHUP parks it (unregistered, standing by again), SIGUSR1 brings it back, and
-SIGTERM stops it with exit code 0.
+SIGTERM stops it with exit code 0. Its KV cache events (``--kv-events-config``) follow the registration: no
+publisher while it stands by, one from SIGUSR1 until the park, a new one when it registers again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import pytest
 from dynamo.common import worker_state as ws
 from dynamo.common.fpm_tracker import FpmTracker
-from dynamo.common.ports import free_port
+from dynamo.common.ports import free_port, stable_free_port
+from dynamo_fpm_testing.kv_routing import kv_events_config_json
 from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.worker_support import (
     base_env,
@@ -31,6 +33,7 @@ from dynamo_fpm_testing.worker_support import (
 pytestmark = [pytest.mark.vllm, pytest.mark.runtime, pytest.mark.slow, pytest.mark.timeout(400)]
 
 MODEL = "tiny"
+KV_EVENTS_ON = "KV events for dp_rank=0"
 
 
 def _state(path: Path) -> str | None:
@@ -62,6 +65,8 @@ async def test_standby_worker_registers_on_sigusr1_and_parks_on_sighup(
         "--standby",
         "--state-file",
         str(state_file),
+        "--kv-events-config",
+        kv_events_config_json(stable_free_port()),
     )
     tracker = FpmTracker("dynamo", nats_url=nats_server.url, stale_after=2.0)
     await tracker.start()
@@ -75,6 +80,7 @@ async def test_standby_worker_registers_on_sigusr1_and_parks_on_sighup(
         # Invisible: no model behind the frontend, no FPM record (not even a heartbeat).
         assert not (await _records_for(tracker, 2.0))
         assert not model_ready(base_url, MODEL)
+        assert KV_EVENTS_ON not in worker.log()
 
         t0 = time.monotonic()
         worker.signal(signal.SIGUSR1)
@@ -91,16 +97,19 @@ async def test_standby_worker_registers_on_sigusr1_and_parks_on_sighup(
         out = complete(base_url, {"model": MODEL, "prompt": "hello there", "max_tokens": 4}, file_kv, procs)
         assert out["choices"][0]["text"]
         assert await _records_for(tracker, 1.0), "a registered worker publishes FPM"
+        assert worker.log().count(KV_EVENTS_ON) == 1
 
         # Park: unregistered and standing by again.
         worker.signal(signal.SIGHUP)
         wait_until(lambda: _state(state_file) == ws.STANDBY, 60, procs=procs)
         wait_until(lambda: not model_ready(base_url, MODEL), 20, procs=procs)
         assert "parked:" in worker.log()
+        assert "KV events stopped for 1 dp rank(s)" in worker.log()
         # ... and back.
         worker.signal(signal.SIGUSR1)
         wait_until(lambda: model_ready(base_url, MODEL), 20, interval=0.05, procs=procs)
         assert "registered again in" in worker.log()
+        assert worker.log().count(KV_EVENTS_ON) == 2
         complete(base_url, {"model": MODEL, "prompt": "the cat", "max_tokens": 4}, file_kv, procs)
 
         worker.signal(signal.SIGTERM)

@@ -29,7 +29,7 @@ from dynamo.common import worker_state as ws
 from dynamo.common.cli_setup import loopback_by_default, setup_logging
 from dynamo.common.ports import stable_free_port
 from dynamo.vllm import engine as eng
-from dynamo.vllm import engine_hooks, registration
+from dynamo.vllm import engine_hooks, kv_events, registration
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.cpu_host import env_defaults, shm_wait
 from dynamo.vllm.drain import DrainReport, ExitCode, InflightTracker, drain, held_kv_reader
@@ -125,6 +125,8 @@ class WorkerRun:
         self.fpm_env: dict[str, str] = {}
         self.fpm_port: int | None = None  # the ZMQ event plane's port, None: the engine publishes on NATS
         self.relays: list[Any] = []
+        self.kv_plan = kv_events.KvEventPlan((), "the engine has not started")
+        self.kv_publishers: list[Any] = []
         self.held_kv: Callable[[float], int | None] | None = None
         self.metrics: WorkerMetrics | None = None
         self.gate: asyncio.Task[None] | None = None
@@ -247,6 +249,7 @@ class WorkerRun:
         if self.fpm_port is not None:  # after the engine start: its PUB sockets are bound by now
             start = self.capacity.data_parallel_start_rank
             self.relays = start_relays(self.endpoint, self.fpm_port, range(start, start + local_engines))
+        self.plan_kv_events(local_engines)
         model_config = engine.vllm_config.model_config
         self.handler = RequestHandler(
             engine,
@@ -266,6 +269,33 @@ class WorkerRun:
         self.dead_wait = self.loop.create_task(wait_engine_dead(engine))
         return True
 
+    def plan_kv_events(self, local_engines: int) -> None:
+        """Which of vLLM's KV event sockets the worker relays (upstream's conditions); one line when none, and
+        one WARNING for a socket where nothing listens (the worker serves without it)."""
+        vllm_config = self.engine.vllm_config
+        start = self.capacity.data_parallel_start_rank
+        self.kv_plan = kv_events.plan(
+            getattr(vllm_config, "kv_events_config", None),
+            bool(vllm_config.cache_config.enable_prefix_caching),
+            start,
+            local_engines,
+        )
+        if not self.kv_plan.sources:
+            log.info("KV events off: %s (the KV router sees no blocks of this worker)", self.kv_plan.reason)
+            return
+        missing = kv_events.missing_sources(self.kv_plan.sources)
+        kv_events.report_missing(missing)
+        live = tuple(source for source in self.kv_plan.sources if source not in missing)
+        self.kv_plan = kv_events.KvEventPlan(live, "" if live else "vLLM's KV event socket is not listening")
+
+    def start_kv_events(self) -> None:
+        """Relay vLLM's KV events from now on: only a registered worker's blocks belong in the router's
+        index."""
+        if self.kv_plan.sources and not self.kv_publishers:
+            self.kv_publishers = kv_events.start_publishers(
+                self.endpoint, self.kv_plan.sources, self.capacity.block_size
+            )
+
     async def first_of(self, *extra: asyncio.Future[Any]) -> set[asyncio.Future[Any]]:
         """Wait for a stop signal, the engine's death, or one of ``extra`` (cancelled if not done)."""
         assert self.stop_wait is not None and self.dead_wait is not None
@@ -280,6 +310,7 @@ class WorkerRun:
     async def register(self) -> None:
         """Publish the model card and the endpoint instance (the frontend then routes here)."""
         config = self.config
+        self.start_kv_events()
         await registration.register(
             self.endpoint,
             config.disaggregation_mode,
@@ -287,6 +318,7 @@ class WorkerRun:
             config.served_model_name,
             self.capacity,
             config.custom_jinja_template,
+            kv_events=bool(self.kv_publishers),
         )
 
     def go_live(self) -> None:
@@ -365,6 +397,7 @@ class WorkerRun:
             report = await self.drain()
             self.tracker.accepting = True
             self.control.close_gate()
+            kv_events.stop_publishers(self.kv_publishers)
             self.control.write(ws.STANDBY)
             log.info(
                 "parked: unregistered, %d request(s) in flight: %s; standing by",
@@ -418,6 +451,7 @@ class WorkerRun:
         if self.keepalive is not None:
             self.keepalive.stop()
         stop_relays(self.relays)
+        kv_events.stop_publishers(self.kv_publishers)
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 self.engine.shutdown()

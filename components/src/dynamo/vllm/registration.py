@@ -32,8 +32,10 @@ ROLES: dict[str, Role] = {
 }
 
 
-def runtime_config(capacity: EngineCapacity) -> Any:
-    """The runtime's ``ModelRuntimeConfig`` carrying this engine's capacity."""
+def runtime_config(capacity: EngineCapacity, kv_events: bool = False) -> Any:
+    """The runtime's ``ModelRuntimeConfig`` carrying this engine's capacity, and whether the worker publishes
+    KV events and keeps a local index of its blocks (upstream's ``kv_event_publishing_enabled`` and
+    ``enable_local_indexer``, which the KV router reads)."""
     from dynamo.llm import ModelRuntimeConfig
 
     cfg = ModelRuntimeConfig()
@@ -44,6 +46,8 @@ def runtime_config(capacity: EngineCapacity) -> Any:
     cfg.data_parallel_size = capacity.data_parallel_size
     cfg.data_parallel_start_rank = capacity.data_parallel_start_rank
     cfg.set_engine_specific("block_size", str(capacity.block_size))
+    cfg.kv_event_publishing_enabled = kv_events
+    cfg.enable_local_indexer = kv_events  # the publisher keeps one (kv_events.start_publishers)
     return cfg
 
 
@@ -54,6 +58,7 @@ async def register(
     served_name: str,
     capacity: EngineCapacity,
     custom_template_path: str | None = None,
+    kv_events: bool = False,
 ) -> None:
     """Publish the model card for this worker (token input; the frontend tokenizes)."""
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
@@ -71,7 +76,7 @@ async def register(
         served_name,
         worker_type=getattr(WorkerType, role.worker_type),
         kv_cache_block_size=capacity.block_size,
-        runtime_config=runtime_config(capacity),
+        runtime_config=runtime_config(capacity, kv_events),
         custom_template_path=custom_template_path,
         needs=needs or None,
     )
