@@ -20,7 +20,7 @@ from dynamo.vllm import args as wargs
 from dynamo.vllm import engine as eng
 from dynamo.vllm.drain import ExitCode, InflightTracker, Outcome, drain
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics, read_stats
-from dynamo.vllm.registration import ROLES
+from dynamo.vllm.registration import ROLES, needs_of
 
 
 def _config(tmp_path: Path, **kw: Any) -> wargs.WorkerConfig:
@@ -130,7 +130,15 @@ def test_parser_keeps_vllm_engine_args_and_our_env_defaults(
     assert config.engine_args.enforce_eager is True
     assert config.kv_transfer_config.kv_role == "kv_producer"
     assert config.scheduler_cls == "my.Sched"
+    assert config.local_prefill is True  # a decode worker serves alone while no prefill worker is registered
     wargs.validate(config)
+    monkeypatch.setenv("DYN_VLLM_LOCAL_PREFILL", "0")
+    assert wargs.build_parser().parse_args(["--model", str(tmp_path)]).local_prefill is False
+    monkeypatch.delenv("DYN_VLLM_LOCAL_PREFILL")
+    assert (
+        wargs.build_parser().parse_args(["--model", str(tmp_path), "--no-local-prefill"]).local_prefill
+        is False
+    )
 
 
 # ---- scheduler choice and FPM environment ------------------------------------------------------
@@ -213,6 +221,10 @@ def test_roles_pair_prefill_and_decode() -> None:
     assert ROLES["agg"].worker_type == "Aggregated" and ROLES["agg"].needs == ()
     assert ROLES["decode"].needs == (("Prefill",),)
     assert ROLES["prefill"].needs == (("Decode",),)
+    # Degraded mode: a decode worker also serves alone (the empty AND-set) unless --no-local-prefill.
+    assert needs_of("decode") == (("Prefill",), ())
+    assert needs_of("decode", local_prefill=False) == (("Prefill",),)
+    assert needs_of("prefill") == (("Decode",),) and needs_of("agg") == ()
     from dynamo.llm import ModelType, WorkerType
 
     for role in ROLES.values():

@@ -287,6 +287,7 @@ class WorkerRun:
             config.served_model_name,
             self.capacity,
             config.custom_jinja_template,
+            config.local_prefill,
         )
 
     def go_live(self) -> None:
