@@ -44,6 +44,7 @@ from dynamo.vllm.health import (
     transport_health_from_env,
     wait_engine_dead,
 )
+from dynamo.vllm.runtime_workarounds import file_discovery_reaper
 from dynamo.vllm.runtime_workarounds.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.standby import StandbyControl, early_options, gate_path
 
@@ -133,6 +134,7 @@ class WorkerRun:
         self.capacity: Any = None
         self.model_path = ""
         self.keepalive: FileDiscoveryKeepAlive | None = None
+        self.reaper: file_discovery_reaper.DeadPeerReaper | None = None
         self.serve_task: asyncio.Future[Any] | None = None
         self.stop_wait: asyncio.Task[Any] | None = None
         self.dead_wait: asyncio.Task[Any] | None = None
@@ -294,6 +296,10 @@ class WorkerRun:
         """Registered: keep the discovery entries alive, let FPM heartbeats out, report ready and serving."""
         assert self.readiness is not None
         self.keepalive = start_for_worker(self.config.discovery_backend, int(self.worker_id))
+        if self.reaper is None:  # crashed peers leave discovery in about a second, not 10 s
+            self.reaper = file_discovery_reaper.start_for_worker(
+                self.config.discovery_backend, int(self.worker_id)
+            )
         self.control.open_gate()
         self.readiness.set(True)
         self.control.write(ws.SERVING)
@@ -418,6 +424,8 @@ class WorkerRun:
         them), FPM relays, engine, runtime, serving task, gate, metrics, the stats folder."""
         if self.keepalive is not None:
             self.keepalive.stop()
+        if self.reaper is not None:
+            self.reaper.stop()
         stop_relays(self.relays)
         if self.engine is not None:
             with contextlib.suppress(Exception):
@@ -481,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()  # again, now that vLLM is imported: its loggers get the runtime's format too
     try:
         transport_health_from_env(os.environ)
+        file_discovery_reaper.interval_from(os.environ)
     except ValueError as exc:
         fail(str(exc))
     vllm_config = prepare(config)
