@@ -32,7 +32,7 @@ from dynamo.vllm import engine as eng
 from dynamo.vllm import engine_hooks, registration
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.cpu_host import env_defaults, shm_wait
-from dynamo.vllm.drain import DrainReport, ExitCode, InflightTracker, drain, held_kv_reader
+from dynamo.vllm.drain import DRAIN_SETTLE_S, DrainReport, ExitCode, InflightTracker, drain, held_kv_reader
 from dynamo.vllm.fpm_env import ENV_STATS_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.fpm_relay import ENV_FPM_PORT, fpm_zmq_port, start_relays, stop_relays
@@ -333,6 +333,7 @@ class WorkerRun:
             self.engine.abort,
             self.config.drain_timeout_s,
             self.held_kv,
+            settle_s=min(DRAIN_SETTLE_S, self.config.drain_timeout_s),
         )
 
     async def serve_until_stopped(self) -> None:
