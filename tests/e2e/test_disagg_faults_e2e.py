@@ -55,7 +55,8 @@ PLANNER_CONFIG = {
 
 
 def _worker_command(model_dir: Path, mode: str) -> str:
-    kv = json.dumps(kv_transfer_config("kv_both", lease_s=LEASE_S))
+    # The planner fills {placeholders} with str.format: the JSON's braces are doubled.
+    kv = json.dumps(kv_transfer_config("kv_both", lease_s=LEASE_S)).replace("{", "{{").replace("}", "}}")
     argv = [
         sys.executable, "-m", "dynamo.vllm", "--model", str(model_dir), *ENGINE_FLAGS,
         "--served-model-name", MODEL, "--namespace", "{namespace}", "--disaggregation-mode", mode,
