@@ -3,7 +3,8 @@
 
 1. The only prefill worker is killed (SIGKILL to its process group) under load: the decode worker serves the
    requests that arrive afterwards end to end (local prefill, ``--local-prefill``) until the planner's new
-   prefill worker registers, and the stack is disaggregated again without a restart. The planner asks for the
+   prefill worker (its warm standby, promoted) registers, and the stack is disaggregated again without a
+   restart. The planner asks for the
    prefill replica (``below min_replicas``) and never for a second decode worker.
 2. The decode worker is stopped mid-transfer (SIGSTOP: the prompts' KV is computed and held on the
    prefill side, never read) and then killed: the prefill worker's FPM records carry the held KV from the
@@ -48,9 +49,12 @@ PROMPT = " ".join(["hello there how are you"] * 8)  # 40 tokens: two KV blocks o
 # The prefill side's KV lease: short, so the release is seen within the test; long enough for a first pull of
 # a new pair on this machine kind (up to ~20 s: docs/disaggregation.md, "Hosts that stall").
 LEASE_S = 20
+# A warm prefill standby (loaded, unregistered) replaces the killed prefill worker within a planner tick: a
+# cold start took 192 s of this machine's running time under load.
 PLANNER_CONFIG = {
     "prefill": {"min_replicas": 1, "max_replicas": 1},
     "decode": {"min_replicas": 1, "max_replicas": 2},
+    "local": {"standby_prefill": 1},
 }
 
 
@@ -184,7 +188,10 @@ async def test_prefill_and_decode_worker_faults(
     try:
         wait_until(
             lambda: (
-                model_ready(base_url, MODEL) and _serving(log_dir, "prefill") and _serving(log_dir, "decode")
+                model_ready(base_url, MODEL)
+                and _serving(log_dir, "prefill")
+                and _serving(log_dir, "decode")
+                and _serving(log_dir, "prefill", "standby")
             ),
             timeout=420,
             procs=procs,
@@ -218,7 +225,7 @@ async def test_prefill_and_decode_worker_faults(
             f"prefill worker killed: {ok}/{len(after)} requests served until the new prefill worker served "
             f"({running_s(killed_at, back_at):.1f} s of running time); stack ready in {ready_s:.0f} s"
         )
-        assert len(after) >= 10, results
+        assert len(after) >= 8, results
         assert ok >= 0.95 * len(after), [
             (round(s - killed_at, 2), st) for s, _, st in results if s >= killed_at
         ]
