@@ -36,7 +36,6 @@ from dynamo_fpm_testing.worker_support import (
     Proc,
     base_env,
     http_json,
-    model_ready,
     start_frontend,
     wait_until,
 )
@@ -129,6 +128,12 @@ def _serving(log_dir: Path, pool: str, state: str = "serving") -> list[dict[str,
     return out
 
 
+def _present(base_url: str) -> list[str]:
+    """The worker types the frontend sees for the model (sorted; none while it is not ready)."""
+    status, ready = http_json(f"{base_url}/v1/models/{MODEL}/ready", timeout=5)
+    return sorted(ready["namespaces"]["dynamo"]["present"]) if status == 200 else []
+
+
 def _kill_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
@@ -197,7 +202,7 @@ async def test_prefill_and_decode_worker_faults(
     try:
         wait_until(
             lambda: (
-                model_ready(base_url, MODEL)
+                _present(base_url) == ["decode", "prefill"]
                 and _serving(log_dir, "prefill")
                 and _serving(log_dir, "decode")
                 and _serving(log_dir, "prefill", "standby")
@@ -205,8 +210,6 @@ async def test_prefill_and_decode_worker_faults(
             timeout=420,
             procs=procs,
         )
-        _, ready = http_json(f"{base_url}/v1/models/{MODEL}/ready")
-        assert sorted(ready["namespaces"]["dynamo"]["present"]) == ["decode", "prefill"], ready
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
         assert http_json(f"{base_url}/v1/completions", body, timeout=120)[0] == 200  # the pair's first pull
         ready_s = running_s(started, time.monotonic())
@@ -251,8 +254,7 @@ async def test_prefill_and_decode_worker_faults(
         ), decisions[-6:]
         # Degraded mode is prefill work on the decode worker, not phantom decode load: no second decode.
         assert not [d for d in decisions if d["pool"] == "decode" and d["desired"] > 1]
-        _, ready = http_json(f"{base_url}/v1/models/{MODEL}/ready")
-        assert sorted(ready["namespaces"]["dynamo"]["present"]) == ["decode", "prefill"], ready
+        assert _present(base_url) == ["decode", "prefill"]
 
         # ---- 2. the decode worker dies mid-transfer --------------------------------------------------------
         (decode,) = _serving(log_dir, "decode")
