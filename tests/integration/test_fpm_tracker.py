@@ -190,6 +190,9 @@ def test_record_to_dict_nests_every_field() -> None:
         "wall_time",
         "scheduled_requests",
         "queued_requests",
+        "num_held_kv_requests",
+        "sum_held_kv_tokens",
+        "max_held_kv_age",
     ]
     assert d["scheduled_requests"]["sum_prefill_kv_tokens"] == 64
     assert d["queued_requests"]["sum_decode_kv_ready_tokens"] == 145

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dynamo.common.forward_pass_metrics import is_heartbeat
 from dynamo_fpm_testing.scheduler_support import (
     SchedSpec,
     capturing_scheduler_cls,
@@ -396,9 +397,33 @@ def test_a_prefill_engine_counts_the_kv_it_holds_for_decode_workers(build: Any) 
     step(sched)
     assert req.is_finished() and req.request_id in sched.requests  # its blocks are held for the decode side
     assert sched._fpm_pub.extra_stats[STAT_KV_PINNED] == 1
+    # The record of the pass that finished it already carries the held KV (the planner's view of it).
+    held = records(sched)[-1]
+    assert (held.num_held_kv_requests, held.sum_held_kv_tokens) == (1, 70)
+    assert held.max_held_kv_age is not None and 0.0 <= held.max_held_kv_age < 1.0
+    assert not is_heartbeat(held)
+    time.sleep(0.05)
+    sched._fpm.last_publish = 0.0  # a snapshot is due: the engine steps with nothing to run while it holds KV
+    out = sched.schedule()
+    sched.update_from_output(out, model_output(out))
+    aged = records(sched)[-1]
+    assert aged.wall_time == 0.0 and aged.num_held_kv_requests == 1
+    assert aged.max_held_kv_age is not None and aged.max_held_kv_age >= held.max_held_kv_age + 0.05
     out = sched.schedule()
     mro = model_output(out)
     mro.kv_connector_output = KVConnectorOutput(finished_sending={req.request_id})
     sched.update_from_output(out, mro)
     assert req.request_id not in sched.requests
     assert sched._fpm_pub.extra_stats[STAT_KV_PINNED] == 0
+    # Released: the engine is idle and its idle record says nothing is held (0, not None: it is tracked).
+    idle = sched._fpm_pub.idle_record
+    assert idle is not None and is_heartbeat(idle)
+    assert (idle.num_held_kv_requests, idle.sum_held_kv_tokens, idle.max_held_kv_age) == (0, 0, 0.0)
+
+
+def test_an_engine_without_a_kv_connector_leaves_the_held_kv_fields_out(build: Any) -> None:
+    sched = build()
+    sched.add_request(make_request(40, max_tokens=1))
+    step(sched)
+    assert records(sched)
+    assert all(r.num_held_kv_requests is None and r.max_held_kv_age is None for r in records(sched))

@@ -20,7 +20,7 @@ from dynamo.vllm import args as wargs
 from dynamo.vllm import engine as eng
 from dynamo.vllm.drain import ExitCode, InflightTracker, Outcome, drain
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics, read_stats
-from dynamo.vllm.registration import ROLES
+from dynamo.vllm.registration import ROLES, needs_of
 
 
 def _config(tmp_path: Path, **kw: Any) -> wargs.WorkerConfig:
@@ -130,7 +130,15 @@ def test_parser_keeps_vllm_engine_args_and_our_env_defaults(
     assert config.engine_args.enforce_eager is True
     assert config.kv_transfer_config.kv_role == "kv_producer"
     assert config.scheduler_cls == "my.Sched"
+    assert config.local_prefill is True  # a decode worker serves alone while no prefill worker is registered
     wargs.validate(config)
+    monkeypatch.setenv("DYN_VLLM_LOCAL_PREFILL", "0")
+    assert wargs.build_parser().parse_args(["--model", str(tmp_path)]).local_prefill is False
+    monkeypatch.delenv("DYN_VLLM_LOCAL_PREFILL")
+    assert (
+        wargs.build_parser().parse_args(["--model", str(tmp_path), "--no-local-prefill"]).local_prefill
+        is False
+    )
 
 
 # ---- scheduler choice and FPM environment ------------------------------------------------------
@@ -213,6 +221,10 @@ def test_roles_pair_prefill_and_decode() -> None:
     assert ROLES["agg"].worker_type == "Aggregated" and ROLES["agg"].needs == ()
     assert ROLES["decode"].needs == (("Prefill",),)
     assert ROLES["prefill"].needs == (("Decode",),)
+    # Degraded mode: a decode worker also serves alone (the empty AND-set) unless --no-local-prefill.
+    assert needs_of("decode") == (("Prefill",), ())
+    assert needs_of("decode", local_prefill=False) == (("Prefill",),)
+    assert needs_of("prefill") == (("Decode",),) and needs_of("agg") == ()
     from dynamo.llm import ModelType, WorkerType
 
     for role in ROLES.values():
@@ -308,6 +320,45 @@ def test_decode_gets_kv_transfer_params_from_prefill_result() -> None:
     assert params.extra_args["kv_transfer_params"] == kv
     assert decode_kv_transfer_params(_request()) is None
     assert decode_kv_transfer_params(_request(prefill_result={"disaggregated_params": None})) is None
+
+
+async def test_a_failed_kv_read_is_one_log_line_and_an_error_naming_the_stage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM ends a decode request whose KV read failed with finish reason ``error``: the worker logs one line
+    (id, stage, peer, cause) and fails the request with an error naming the stage and the prefill peer."""
+    from dynamo.llm.exceptions import HttpError
+    from dynamo.vllm.handlers import KV_TRANSFER_FAILED, RequestHandler, failed_stage, kv_peer
+
+    kv = {
+        "remote_engine_id": "e1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5601,
+        "do_remote_prefill": True,
+    }
+    failed = types.SimpleNamespace(
+        finished=True,
+        outputs=[types.SimpleNamespace(finish_reason="error", token_ids=[], index=0, stop_reason=None)],
+    )
+
+    class Engine:
+        async def generate(self, *args: Any, **kwargs: Any) -> Any:
+            yield failed
+
+    assert kv_peer(kv) == "127.0.0.1:5601 (engine e1)" and kv_peer(None) == "none"
+    assert failed_stage("decode", failed, kv) == "kv_transfer"
+    assert failed_stage("decode", failed, None) is None  # a local prefill (degraded mode): not a transfer
+    assert failed_stage("agg", failed, kv) is None
+    tracker = InflightTracker()
+    handler = RequestHandler(Engine(), "decode", tracker, 100)
+    request = _request(prefill_result={"disaggregated_params": {"kv_transfer_params": kv}})
+    with caplog.at_level("INFO", logger="dynamo.vllm.handlers"), pytest.raises(HttpError) as err:
+        async for _ in handler.generate(request):
+            pass
+    assert err.value.code == 502 and err.value.message == f"{KV_TRANSFER_FAILED}: 127.0.0.1:5601 (engine e1)"
+    lines = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(lines) == 1 and "stage=kv_transfer peer=127.0.0.1:5601 (engine e1) cause=" in lines[0]
+    assert tracker.ended[Outcome.FAILED] == 1
 
 
 def test_router_dp_rank_maps_to_the_local_engine_rank() -> None:
@@ -510,6 +561,30 @@ async def test_drain_unregisters_first_then_waits_for_inflight() -> None:
     assert report.exit_code == ExitCode.OK
     assert report.waited_s >= 0.2
     assert "1 completed, aborted 0" in report.summary()
+
+
+async def test_a_request_routed_just_before_the_unregister_took_effect_is_served() -> None:
+    """The frontend routes here until it has seen the unregister: such a request is served (settle_s), one
+    arriving after the settle period is refused (the frontend migrates it, --migration-limit)."""
+    tracker = InflightTracker()
+    served: list[str] = []
+
+    async def request(rid: str) -> None:
+        assert tracker.accepting, f"{rid} refused"
+        with tracker.track(rid) as tracked:
+            await asyncio.sleep(0.1)
+            served.append(rid)
+            tracked.outcome = Outcome.COMPLETED
+
+    async def unregister() -> None:
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(request("late")))
+
+    async def abort(rid: str) -> None:
+        raise AssertionError(rid)
+
+    report = await drain(tracker, unregister, abort, grace_s=5, settle_s=0.3)
+    assert served == ["late"] and report.completed == 1 and report.exit_code == ExitCode.OK
+    assert not tracker.accepting
 
 
 async def test_drain_cuts_what_outlives_the_grace_period_and_counts_it() -> None:

@@ -23,6 +23,8 @@ UPSTREAM_FIELD_ORDER = [
     "scheduled_requests",
     "queued_requests",
 ]
+# Ours, appended after upstream's fields (optional, None when not reported).
+HELD_KV_FIELDS = ["num_held_kv_requests", "sum_held_kv_tokens", "max_held_kv_age"]
 
 
 def load_upstream_schema(upstream_dir: Path) -> ModuleType:
@@ -70,12 +72,13 @@ def test_round_trip_every_field() -> None:
         num_decode_kv_ready_requests=1,
         sum_decode_kv_ready_tokens=100,
     )
+    rec = msgspec.structs.replace(rec, num_held_kv_requests=3, sum_held_kv_tokens=210, max_held_kv_age=12.5)
     assert fpm.decode(fpm.encode(rec)) == rec
 
 
 def test_wire_is_a_map_in_upstream_field_order() -> None:
     raw = msgspec.msgpack.decode(fpm.encode(sample_record()))
-    assert list(raw) == UPSTREAM_FIELD_ORDER
+    assert list(raw) == UPSTREAM_FIELD_ORDER + HELD_KV_FIELDS
     assert list(raw["scheduled_requests"]) == [
         "num_prefill_requests",
         "sum_prefill_tokens",
@@ -157,11 +160,16 @@ def test_heartbeat_detection() -> None:
         queued_requests=fpm.QueuedRequestMetrics(num_decode_requests=3, sum_decode_kv_tokens=90),
     )
     assert not fpm.is_heartbeat(snapshot)
+    # KV held for a peer is not idle: a prefill engine pinned by a dead decode worker must not look idle.
+    held = fpm.ForwardPassMetrics(worker_id="w", num_held_kv_requests=2, sum_held_kv_tokens=64)
+    assert not fpm.is_heartbeat(held)
+    assert fpm.is_heartbeat(fpm.ForwardPassMetrics(worker_id="w", num_held_kv_requests=0))
 
 
 def test_ours_decodes_with_upstream_schema(upstream_dir: Path) -> None:
     up = load_upstream_schema(upstream_dir)
     rec = sample_record(num_decode_kv_transfer_requests=5, sum_decode_kv_transfer_tokens=345)
+    rec = msgspec.structs.replace(rec, num_held_kv_requests=2, sum_held_kv_tokens=70, max_held_kv_age=3.5)
     theirs = up.decode(fpm.encode(rec))
     assert theirs is not None
     assert msgspec.structs.asdict(theirs.scheduled_requests) == msgspec.structs.asdict(rec.scheduled_requests)
@@ -189,3 +197,4 @@ def test_upstream_decodes_with_ours(upstream_dir: Path) -> None:
     assert ours.queued_requests.sum_decode_kv_tokens == 20
     # Extension fields are absent from upstream records: None, not a misleading zero.
     assert ours.queued_requests.num_decode_kv_transfer_requests is None
+    assert ours.num_held_kv_requests is None and ours.max_held_kv_age is None

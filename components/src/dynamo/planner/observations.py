@@ -46,6 +46,21 @@ class EngineObs(NamedTuple):
     warm: bool
     capacity: Capacity
 
+    # KV the engine holds for finished requests until a peer reads it or the lease ends (a prefill engine's
+    # prompts for a dead or slow decode worker): capacity the engine cannot use. 0 when not reported.
+    @property
+    def held_kv_requests(self) -> int:
+        return self.record.num_held_kv_requests or 0
+
+    @property
+    def held_kv_tokens(self) -> int:
+        return self.record.sum_held_kv_tokens or 0
+
+    @property
+    def held_kv_age_s(self) -> float:
+        """How long the oldest held KV has waited for its reader (seconds, as of the record)."""
+        return self.record.max_held_kv_age or 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class PoolObs:
@@ -59,6 +74,20 @@ class PoolObs:
     latency: LinearFit | None = None
     # Of ``replicas``, how many the connector says are still starting (None = it cannot tell).
     starting: int | None = None
+
+    @property
+    def held_kv_requests(self) -> int:
+        """Requests whose KV the pool's engines hold for peers that have not read it (EngineObs)."""
+        return sum(e.held_kv_requests for e in self.engines)
+
+    @property
+    def held_kv_tokens(self) -> int:
+        """KV tokens the pool's engines hold for peers: taken from their capacity until read or leased out."""
+        return sum(e.held_kv_tokens for e in self.engines)
+
+    @property
+    def max_held_kv_age_s(self) -> float:
+        return max((e.held_kv_age_s for e in self.engines), default=0.0)
 
 
 @dataclass(frozen=True, slots=True)

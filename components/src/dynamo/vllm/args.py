@@ -90,6 +90,7 @@ class WorkerConfig:
     custom_jinja_template: str | None = None
     standby: bool = False
     state_file: str | None = None
+    local_prefill: bool = True
     scheduler_cls: str | None = None
     kv_transfer_config: Any = None
     engine_args: Any = field(default=None, repr=False)
@@ -215,6 +216,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env_bool("DYN_VLLM_STANDBY", False),
         help="Load the engine but stay unregistered (no routing, no FPM) until SIGUSR1 registers the "
         "worker; SIGHUP then parks it again (unregister, drain, stand by). env: DYN_VLLM_STANDBY",
+    )
+    g.add_argument(
+        "--local-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("DYN_VLLM_LOCAL_PREFILL", True),
+        help="Decode workers: while no prefill worker is registered the frontend sends requests straight "
+        "here and this engine computes their prompts (degraded mode, no outage); --no-local-prefill keeps "
+        "the model unavailable (HTTP 503) until a prefill worker registers. env: DYN_VLLM_LOCAL_PREFILL",
     )
     g.add_argument(
         "--state-file",
@@ -349,6 +358,7 @@ def config_from_namespace(ns: argparse.Namespace, engine_args: Any) -> WorkerCon
         custom_jinja_template=ns.custom_jinja_template,
         standby=ns.standby,
         state_file=ns.state_file,
+        local_prefill=ns.local_prefill,
         scheduler_cls=_scheduler_name(engine_args.scheduler_cls),
         kv_transfer_config=engine_args.kv_transfer_config,
         engine_args=engine_args,

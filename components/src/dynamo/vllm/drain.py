@@ -138,6 +138,10 @@ class DrainReport:
         return text
 
 
+# Seconds a worker's drain keeps accepting requests after it unregistered: the frontend stops routing here
+# ~25 ms after the unregister, and a request it routed just before is served rather than refused (a 503).
+DRAIN_SETTLE_S = 0.5
+
 # Seconds the drain waits at least for a fresh figure of the held KV blocks (the publisher writes it ~1/s).
 KV_SAMPLE_WAIT_S = 2.5
 
@@ -179,8 +183,11 @@ async def drain(
     abort: Callable[[str], Awaitable[None]],
     grace_s: float,
     held_kv: Callable[[float], int | None] | None = None,
+    settle_s: float = 0.0,
 ) -> DrainReport:
-    """Refuse new requests, unregister, wait up to ``grace_s`` for in-flight requests, cut the rest.
+    """Unregister, keep serving for ``settle_s`` (requests the frontend routed before it saw the unregister
+    are served, not refused), then refuse new requests, wait up to ``grace_s`` for in-flight requests, cut
+    the rest.
 
     A request cut at the grace period is aborted in vLLM and its handler ends it with ``EngineShutdown``,
     which the frontend migrates to another worker (``--migration-limit``) instead of returning a truncated
@@ -190,15 +197,20 @@ async def drain(
     least :data:`KV_SAMPLE_WAIT_S`, for the KV blocks vLLM still holds for decode workers that have not read
     them yet; stopping the engine under them fails those decode requests. What is left is counted as given up.
     """
-    tracker.accepting = False
     start = time.monotonic()
     inflight = tracker.count
     ended_before = dict(tracker.ended)
+    if settle_s <= 0:
+        tracker.accepting = False
     try:
         await unregister()
     except Exception as exc:  # keep draining: the lease expiry will remove us eventually
         log.warning("unregistering from discovery failed: %s", exc)
     unregistered = time.monotonic()
+    if settle_s > 0:
+        await asyncio.sleep(settle_s)
+        tracker.accepting = False
+        inflight = tracker.count
     log.info(
         "drain: unregistered in %.3f s, waiting for %d in-flight request(s)", unregistered - start, inflight
     )

@@ -8,7 +8,8 @@ built, and degrades right away (and says so once) instead of publishing wrong fi
 - a method with role ``RECORD`` missing: nothing correct can be published, publishing is refused;
 - a ``QUEUE`` method missing: full-scan queue accounting (exact, O(queue) per record);
 - ``PREEMPTION`` missing: the scheduled side's all-decode fast path is turned off (per-request rules only);
-- ``KV_ARRIVAL``, ``IDLE`` or ``SHUTDOWN`` missing: kept running, with a warning naming what is lost.
+- ``KV_ARRIVAL``, ``IDLE`` or ``SHUTDOWN`` missing: kept running, with a warning naming what is lost;
+- ``HELD_KV`` missing: the held-KV fields are left out (None), with the same warning.
 
 ``tests/integration/test_scheduler_hooks.py`` checks that this table lists every vLLM method the mixin
 overrides.
@@ -29,6 +30,7 @@ class Role(enum.Enum):
     KV_ARRIVAL = "records ids whose remote KV arrived (their first pass counts as decode, queued as ready)"
     IDLE = "switches the publisher's idle heartbeat off when work arrives and refreshes its idle record"
     SHUTDOWN = "closes the publisher"
+    HELD_KV = "follows the KV blocks kept for a KV connector after their request finished (held-KV fields)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,8 @@ HOOKED_METHODS: tuple[HookedMethod, ...] = (
     _hook("_handle_failed_recving", Role.QUEUE),
     _hook("_handle_invalid_blocks", Role.QUEUE),
     _hook("shutdown", Role.SHUTDOWN),
+    _hook("_free_request", Role.HELD_KV),
+    _hook("_free_blocks", Role.HELD_KV),
 )
 HOOKED_NAMES: frozenset[str] = frozenset(hook.name for hook in HOOKED_METHODS)
 

@@ -43,6 +43,38 @@ class FpmCounters:
 
 
 @dataclass(slots=True)
+class HeldKv:
+    """Finished requests whose KV blocks the engine keeps for its KV connector (a prefill engine's prompts
+    until the decode worker has read them, or vLLM's lease frees them): id -> (held since, KV tokens).
+
+    Filled when vLLM delays freeing a finished request's blocks and emptied when it frees them, so a record
+    costs O(1): ids are inserted in time order, the first is the oldest.
+    """
+
+    since: dict[str, tuple[float, int]] = field(default_factory=dict)
+    tokens: int = 0
+
+    def hold(self, request_id: str, now: float, tokens: int) -> None:
+        if request_id not in self.since:
+            self.since[request_id] = (now, tokens)
+            self.tokens += tokens
+
+    def release(self, request_id: str) -> None:
+        entry = self.since.pop(request_id, None)
+        if entry is not None:
+            self.tokens -= entry[1]
+
+    def fields(self, now: float) -> dict[str, Any]:
+        since = self.since
+        oldest = next(iter(since.values()))[0] if since else now
+        return {
+            "num_held_kv_requests": len(since),
+            "sum_held_kv_tokens": self.tokens,
+            "max_held_kv_age": max(0.0, now - oldest),
+        }
+
+
+@dataclass(slots=True)
 class FpmSchedulerState:
     """The instrumentation's state; the default instance is 'off' (every hook a plain pass-through)."""
 
@@ -73,6 +105,8 @@ class FpmSchedulerState:
     rebuild: bool = False  # the next record adopts a full scan (after changes no hook can follow)
     unknown_logged: set[str] = field(default_factory=set)
     counters: FpmCounters = field(default_factory=FpmCounters)
+    # KV held for a peer (see held_kv_fields); off without a KV connector or the hooks that follow it.
+    held: HeldKv | None = None
 
     # ----------------------------------------------------------- hooks' helper
     def touch(self, rid: str) -> None:
@@ -147,10 +181,19 @@ class FpmSchedulerState:
         return False
 
     # ----------------------------------------------------------- records and the idle heartbeat
-    def identity(self, queued: QueuedRequestMetrics) -> ForwardPassMetrics:
+    def held_kv_fields(self, now: float) -> dict[str, Any]:
+        """The record's held-KV fields (none when they are not tracked: the record then leaves them None)."""
+        held = self.held
+        return {} if held is None else held.fields(now)
+
+    def identity(self, queued: QueuedRequestMetrics, now: float | None = None) -> ForwardPassMetrics:
         """A record without a scheduled side (snapshots, the idle record)."""
         return ForwardPassMetrics(
-            worker_id=self.worker_id, dp_rank=self.dp_rank, wall_time=0.0, queued_requests=queued
+            worker_id=self.worker_id,
+            dp_rank=self.dp_rank,
+            wall_time=0.0,
+            queued_requests=queued,
+            **(self.held_kv_fields(now) if now is not None else {}),
         )
 
     def wake(self) -> None:
@@ -159,5 +202,5 @@ class FpmSchedulerState:
 
     def go_idle(self, sched: Any, now: float) -> None:
         self.idle = True
-        self.pub.set_idle_record(self.identity(self.queued(sched, now)))
+        self.pub.set_idle_record(self.identity(self.queued(sched, now), now))
         self.counters.idle_records += 1

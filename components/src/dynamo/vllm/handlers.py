@@ -327,6 +327,26 @@ class FrameBuilder:
         return frame
 
 
+KV_TRANSFER_FAILED = "KV transfer from prefill worker failed"
+
+
+def kv_peer(params: Mapping[str, Any] | None) -> str:
+    """The prefill engine a decode request reads its KV from, as vLLM's NixlConnector names it."""
+    if not params:
+        return "none"
+    host, port, engine = params.get("remote_host"), params.get("remote_port"), params.get("remote_engine_id")
+    where = f"{host}:{port}" if host is not None else "unknown address"
+    return f"{where} (engine {engine})" if engine is not None else where
+
+
+def failed_stage(mode: str, output: Any, kv_params: Mapping[str, Any] | None) -> str | None:
+    """``kv_transfer`` when a decode request that was to read its KV from a prefill worker ended with vLLM's
+    ``error`` finish reason (the read failed and ``kv_load_failure_policy`` is ``fail``), else None."""
+    if mode != "decode" or not kv_params or not output.finished:
+        return None
+    return "kv_transfer" if any(c.finish_reason == "error" for c in output.outputs or []) else None
+
+
 def local_dp_rank(routing: Mapping[str, Any] | None, start_rank: int, size: int) -> int | None:
     """The engine-local data-parallel rank the router chose, or None to let vLLM pick (out of range too)."""
     rank = (routing or {}).get("dp_rank")
@@ -395,6 +415,7 @@ class RequestHandler:
         except RequestError as exc:
             raise InvalidArgument(str(exc)) from exc
         request_id = _request_id(context)
+        kv_params = decode_kv_transfer_params(request) if self.mode == "decode" else None
         token_ids = list(request["token_ids"])
         log.debug("request %s: %d prompt tokens, %s mode", request_id, len(token_ids), self.mode)
         frames = FrameBuilder(len(token_ids), self.mode == "prefill", params)
@@ -426,6 +447,16 @@ class RequestHandler:
                         return
                     if output.finished and self.tracker.was_cut(request_id) and _aborted(output):
                         raise handed_back()
+                    if failed_stage(self.mode, output, kv_params) is not None:
+                        peer = kv_peer(kv_params)
+                        log.error(
+                            "request %s failed: stage=kv_transfer peer=%s cause=the decode engine could "
+                            "not read the prompt's KV (prefill worker gone or unreachable; "
+                            "kv_load_failure_policy fail)",
+                            request_id,
+                            peer,
+                        )
+                        raise _http_error(502, f"{KV_TRANSFER_FAILED}: {peer}")
                     finished = output.finished
                     for frame in frames.frames(output):
                         yield frame
@@ -445,16 +476,41 @@ class RequestHandler:
             except Exception as exc:
                 if self.tracker.was_cut(request_id):
                     raise handed_back() from exc
+                if _is_http_error(exc):
+                    raise
                 if _is_client_error(exc):
                     tracked.outcome = Outcome.REJECTED
                     raise InvalidArgument(str(exc)) from exc
+                cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                 if _is_engine_dead(exc):
+                    log.error("request %s failed: stage=%s peer=none cause=%s", request_id, self.mode, cause)
                     raise EngineShutdown(f"vLLM engine is dead: {exc}") from exc
-                log.exception("request %s failed", request_id)
+                log.error(
+                    "request %s failed: stage=%s peer=%s cause=%s",
+                    request_id,
+                    self.mode,
+                    kv_peer(kv_params),
+                    cause,
+                )
+                log.debug("request %s traceback", request_id, exc_info=True)
                 raise Unknown(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 if watcher is not None:
                     watcher.cancel()
+
+
+def _http_error(code: int, message: str) -> Exception:
+    """Dynamo's ``HttpError``: the 1.6.1 frontend answers 500 with ``details.backend_status`` = ``code`` (it
+    keeps the message of a 5xx in its own log, not in the client's answer)."""
+    from dynamo.llm.exceptions import HttpError
+
+    return HttpError(code, message)
+
+
+def _is_http_error(exc: BaseException) -> bool:
+    from dynamo.llm.exceptions import HttpError
+
+    return isinstance(exc, HttpError)
 
 
 def _aborted(output: Any) -> bool:

@@ -45,7 +45,7 @@ from dynamo.vllm.fpm_accounting import IncrementalQueue, summarize_scheduled
 from dynamo.vllm.fpm_classifier import Kind, status_kinds, unknown_statuses, waiting_containers
 from dynamo.vllm.fpm_env import STAT_KV_PINNED, FpmSettings, dp_rank_of
 from dynamo.vllm.fpm_hooks import HookCheck, Role, check_hooks
-from dynamo.vllm.fpm_state import PRUNE_PREEMPTED, FpmSchedulerState
+from dynamo.vllm.fpm_state import PRUNE_PREEMPTED, FpmSchedulerState, HeldKv
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.request import RequestStatus
@@ -149,6 +149,8 @@ class FpmInstrumentation(_SchedulerBase):
         if mode == "incremental":
             s.q = IncrementalQueue(s.kinds, s.unknown_status)
             s.q.reset_from(s.scan(self))
+        if getattr(self, "connector", None) is not None and not hooks.lacks(Role.HELD_KV):
+            s.held = HeldKv()
         s.worker_id = settings.resolved_worker_id()
         s.dp_rank = dp_rank_of(getattr(self, "vllm_config", None))
         s.snapshot_interval = settings.snapshot_interval
@@ -270,6 +272,20 @@ class FpmInstrumentation(_SchedulerBase):
                 s.kv_arrived.add(rid)
         return ok
 
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super()._free_request(request, *args, **kwargs)
+        held = self._fpm.held
+        if held is not None and request.request_id in self.requests:  # its blocks kept for the connector
+            held.hold(request.request_id, time.monotonic(), request.num_computed_tokens)
+        return result
+
+    def _free_blocks(self, request: Any) -> Any:
+        result = super()._free_blocks(request)
+        held = self._fpm.held
+        if held is not None:
+            held.release(request.request_id)
+        return result
+
     def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> None:
         super()._update_from_kv_xfer_finished(kv_connector_output)
         if kv_connector_output.finished_recving:
@@ -336,12 +352,13 @@ class FpmInstrumentation(_SchedulerBase):
                     wall_time=max(0.0, t_start - start),
                     scheduled_requests=pending[1],
                     queued_requests=s.queued(self, now),
+                    **s.held_kv_fields(now),
                 )
             )
             s.counters.records += 1
             s.last_publish = now
         elif now - s.last_publish >= s.snapshot_interval and self.requests:
-            s.pub.publish(s.identity(s.queued(self, now)))
+            s.pub.publish(s.identity(s.queued(self, now), now))
             s.pub.wait_sent(SNAPSHOT_HANDOVER_S)
             s.counters.snapshots += 1
             s.last_publish = now

@@ -32,7 +32,7 @@ from dynamo.vllm import engine as eng
 from dynamo.vllm import engine_hooks, kv_events, registration
 from dynamo.vllm.args import WorkerConfig, fail, parse_args
 from dynamo.vllm.cpu_host import env_defaults, shm_wait
-from dynamo.vllm.drain import DrainReport, ExitCode, InflightTracker, drain, held_kv_reader
+from dynamo.vllm.drain import DRAIN_SETTLE_S, DrainReport, ExitCode, InflightTracker, drain, held_kv_reader
 from dynamo.vllm.fpm_env import ENV_STATS_FILE
 from dynamo.vllm.fpm_metrics import WorkerCollector, WorkerMetrics
 from dynamo.vllm.fpm_relay import ENV_FPM_PORT, fpm_zmq_port, start_relays, stop_relays
@@ -44,6 +44,7 @@ from dynamo.vllm.health import (
     transport_health_from_env,
     wait_engine_dead,
 )
+from dynamo.vllm.runtime_workarounds import file_discovery_reaper
 from dynamo.vllm.runtime_workarounds.file_discovery_keepalive import FileDiscoveryKeepAlive, start_for_worker
 from dynamo.vllm.standby import StandbyControl, early_options, gate_path
 
@@ -135,6 +136,7 @@ class WorkerRun:
         self.capacity: Any = None
         self.model_path = ""
         self.keepalive: FileDiscoveryKeepAlive | None = None
+        self.reaper: file_discovery_reaper.DeadPeerReaper | None = None
         self.serve_task: asyncio.Future[Any] | None = None
         self.stop_wait: asyncio.Task[Any] | None = None
         self.dead_wait: asyncio.Task[Any] | None = None
@@ -319,12 +321,17 @@ class WorkerRun:
             self.capacity,
             config.custom_jinja_template,
             kv_events=bool(self.kv_publishers),
+            local_prefill=config.local_prefill,
         )
 
     def go_live(self) -> None:
         """Registered: keep the discovery entries alive, let FPM heartbeats out, report ready and serving."""
         assert self.readiness is not None
         self.keepalive = start_for_worker(self.config.discovery_backend, int(self.worker_id))
+        if self.reaper is None:  # crashed peers leave discovery in about a second, not 10 s
+            self.reaper = file_discovery_reaper.start_for_worker(
+                self.config.discovery_backend, int(self.worker_id)
+            )
         self.control.open_gate()
         self.readiness.set(True)
         self.control.write(ws.SERVING)
@@ -358,6 +365,7 @@ class WorkerRun:
             self.engine.abort,
             self.config.drain_timeout_s,
             self.held_kv,
+            settle_s=min(DRAIN_SETTLE_S, self.config.drain_timeout_s),
         )
 
     async def serve_until_stopped(self) -> None:
@@ -450,6 +458,8 @@ class WorkerRun:
         them), FPM relays, engine, runtime, serving task, gate, metrics, the stats folder."""
         if self.keepalive is not None:
             self.keepalive.stop()
+        if self.reaper is not None:
+            self.reaper.stop()
         stop_relays(self.relays)
         kv_events.stop_publishers(self.kv_publishers)
         if self.engine is not None:
@@ -514,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()  # again, now that vLLM is imported: its loggers get the runtime's format too
     try:
         transport_health_from_env(os.environ)
+        file_discovery_reaper.interval_from(os.environ)
     except ValueError as exc:
         fail(str(exc))
     vllm_config = prepare(config)

@@ -24,6 +24,18 @@ class Role:
     model_types: tuple[str, ...]  # attribute names of dynamo.llm.ModelType, OR-ed together
 
 
+# A decode worker that may serve alone: the needs are a DNF and the empty AND-set is always met, so the model
+# stays available with no prefill worker (the frontend then routes decode-only, and the prompt is computed
+# here); once one registers the frontend's prefill router takes over again.
+DECODE_ALONE: tuple[str, ...] = ()
+
+
+def needs_of(mode: str, local_prefill: bool = True) -> tuple[tuple[str, ...], ...]:
+    """The peers a worker of this mode declares (``local_prefill``: a decode worker also serves alone)."""
+    needs = ROLES[mode].needs
+    return (*needs, DECODE_ALONE) if mode == "decode" and local_prefill else needs
+
+
 ROLES: dict[str, Role] = {
     "agg": Role("Aggregated", (), ("Chat", "Completions")),
     "decode": Role("Decode", (("Prefill",),), ("Chat", "Completions")),
@@ -59,6 +71,7 @@ async def register(
     capacity: EngineCapacity,
     custom_template_path: str | None = None,
     kv_events: bool = False,
+    local_prefill: bool = True,
 ) -> None:
     """Publish the model card for this worker (token input; the frontend tokenizes)."""
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
@@ -67,7 +80,7 @@ async def register(
     model_type = getattr(ModelType, role.model_types[0])
     for name in role.model_types[1:]:
         model_type = model_type | getattr(ModelType, name)
-    needs = [[getattr(WorkerType, w) for w in group] for group in role.needs]
+    needs = [[getattr(WorkerType, w) for w in group] for group in needs_of(mode, local_prefill)]
     await register_model(
         ModelInput.Tokens,
         model_type,

@@ -136,6 +136,14 @@ class ForwardPassMetrics(msgspec.Struct, frozen=True, gc=False):
     wall_time: float = 0.0
     scheduled_requests: ScheduledRequestMetrics = ScheduledRequestMetrics()
     queued_requests: QueuedRequestMetrics = QueuedRequestMetrics()
+    # --- Optional extensions (ours; upstream ignores them). None = not reported by the producer. ---
+    # KV the engine holds for finished requests until a peer has read it or its lease runs out (a prefill
+    # engine's prompts waiting for their decode worker's pull): capacity no new request can use. A dead or
+    # slow decode worker shows here, not in the queues.
+    num_held_kv_requests: int | None = None
+    sum_held_kv_tokens: int | None = None
+    # Seconds the oldest of them has been held (0.0 when none).
+    max_held_kv_age: float | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -193,12 +201,13 @@ def decode(data: bytes | bytearray | memoryview) -> ForwardPassMetrics | None:
 
 
 def is_heartbeat(metrics: ForwardPassMetrics) -> bool:
-    """An idle heartbeat: identity only, nothing scheduled or queued."""
+    """An idle heartbeat: identity only, nothing scheduled, queued or held for a peer."""
     return (
         metrics.wall_time == 0.0
         and metrics.scheduled_requests == _EMPTY_SCHEDULED
         and metrics.queued_requests.num_prefill_requests == 0
         and metrics.queued_requests.num_decode_requests == 0
+        and not metrics.num_held_kv_requests
     )
 
 

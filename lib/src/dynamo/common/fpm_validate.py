@@ -14,6 +14,7 @@ Bounds (docs/fpm-core.md, "Bounds"):
 ``wall_time``           finite, 0 to ``MAX_WALL_TIME_S`` (3600) seconds
 request counts, tokens  integers, 0 to ``MAX_COUNT`` (2**40); variances finite and >= 0
 decode split            parts >= 0; transfer + ready requests <= queued decode requests
+held KV (optional)      counts 0 to ``MAX_COUNT``; ``max_held_kv_age`` finite and >= 0
 with a KV capacity      queued prefill tokens + queued decode KV, and scheduled decode KV, each at most
                         ``MAX_KV_MULTIPLE`` (1000) times the engine's KV capacity in tokens
 subject tokens          component and endpoint 1 to ``MAX_SUBJECT_TOKEN_BYTES`` (128) bytes
@@ -115,12 +116,27 @@ def record_problem(r: ForwardPassMetrics, *, kv_tokens: int | None = None) -> st
         q.num_decode_kv_ready_requests or 0
     ) > q.num_decode_requests:
         return "decode transfer + ready requests exceed queued decode requests"
+    problem = held_kv_problem(r)
+    if problem is not None:
+        return problem
     if kv_tokens is not None and kv_tokens > 0:
         limit = MAX_KV_MULTIPLE * kv_tokens
         if q.sum_prefill_tokens + q.sum_decode_kv_tokens > limit:
             return f"queued tokens over {MAX_KV_MULTIPLE}x the KV capacity"
         if s.sum_decode_kv_tokens > limit:
             return f"scheduled decode KV over {MAX_KV_MULTIPLE}x the KV capacity"
+    return None
+
+
+def held_kv_problem(r: ForwardPassMetrics) -> str | None:
+    """The optional held-KV fields: counts in range, the age finite and non-negative."""
+    for name in ("num_held_kv_requests", "sum_held_kv_tokens"):
+        value = getattr(r, name)
+        if value is not None and (problem := _count_problem(value)) is not None:
+            return f"{problem} {name}"
+    age = r.max_held_kv_age
+    if age is not None and not (math.isfinite(age) and age >= 0):
+        return "max_held_kv_age not a finite non-negative number"
     return None
 
 

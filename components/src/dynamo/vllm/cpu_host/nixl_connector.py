@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from dynamo.vllm import transfer_log
 from dynamo.vllm.fpm_env import flag, number
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -36,6 +37,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 logger = logging.getLogger(__name__)
+
+# One traceback per kind of transfer failure per minute in vLLM's NIXL worker log, one line for the others.
+transfer_log.install()
 
 ENV_PROGRESS_DELAY_US = "DYN_NIXL_CPU_PROGRESS_DELAY_US"
 ENV_KEEP_AFFINITY = "DYN_NIXL_CPU_KEEP_AFFINITY"
