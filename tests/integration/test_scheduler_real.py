@@ -181,6 +181,14 @@ def test_inflight_kv_loads_cap_parks_pulls_in_async_kv_waiting_as_queued_decode(
     assert (q.num_decode_kv_transfer_requests, q.sum_decode_kv_transfer_tokens) == (1, 63)
     assert q.num_decode_kv_ready_requests == 0
     assert q == exact(sched)
+    # Negative control: the scan of the two queues vLLM 0.32 has misses both waiting pulls.
+    from dynamo.vllm.fpm_classifier import scan_containers
+
+    s = sched._fpm
+    old = scan_containers(
+        [sched.kv_holding_waiting, sched.waiting], s.kinds, set(), s.kv_arrived, s.pull_pending
+    ).totals.metrics()
+    assert (old.num_decode_requests, old.num_decode_kv_transfer_requests) == (1, 1)
 
     # The first pull ends: it is ready (it still needs the slot), and the cap still holds the others back.
     step(sched, finished_recving=[remote[0].request_id])
@@ -189,7 +197,11 @@ def test_inflight_kv_loads_cap_parks_pulls_in_async_kv_waiting_as_queued_decode(
     for _ in range(3):
         step(sched)
         exact(sched)
-    assert sched.fpm_counters()["audit_mismatches"] == 0
+        # An audit (the incremental entries against a full scan) finds nothing to repair: before the scan
+        # read async_kv_waiting, every audit here "repaired" its requests away.
+        assert len(sched.async_kv_waiting) == 2
+        assert sched._fpm.audit(sched, sched._fpm.q)
+    assert (sched.fpm_counters()["audits"], sched.fpm_counters()["audit_mismatches"]) == (3, 0)
 
 
 def test_nixl_connector_scheduler_side_parks_requests(build: Any) -> None:
