@@ -50,14 +50,26 @@ def make_engine(model_dir: Path, scheduler_cls: str, max_num_seqs: int) -> Any:
     )
 
 
-def serve(llm: Any, prompts: list[Any], params: Any, core: Any = None) -> tuple[float, int, float]:
-    """(seconds, tokens generated, CPU seconds of the engine-core process tree) of one batch served
-    concurrently."""
-    cpu0 = cpu_seconds(core)
+def serve(
+    llm: Any, prompts: list[Any], params: Any, core: Any = None
+) -> tuple[float, int, float, list[float]]:
+    """(seconds, tokens generated, CPU seconds of the engine-core process tree, CPU seconds of each of the
+    engine-core process's threads, largest first) of one batch served concurrently."""
+    cpu0, threads0 = cpu_seconds(core), thread_seconds(core)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     spent = time.perf_counter() - t0
-    return spent, sum(len(o.outputs[0].token_ids) for o in outs), cpu_seconds(core) - cpu0
+    cpu, threads = cpu_seconds(core) - cpu0, thread_seconds(core)
+    per_thread = sorted((v - threads0.get(tid, 0.0) for tid, v in threads.items()), reverse=True)
+    return spent, sum(len(o.outputs[0].token_ids) for o in outs), cpu, per_thread
+
+
+def thread_seconds(proc: Any) -> dict[int, float]:
+    """User + system seconds of each thread of ``proc`` (the engine loop, the model's OpenMP threads, the
+    publisher's sender, vLLM's I/O threads), by thread id."""
+    if proc is None:
+        return {}
+    return {th.id: th.user_time + th.system_time for th in proc.threads()}
 
 
 def cpu_seconds(proc: Any) -> float:
@@ -74,14 +86,16 @@ def cpu_seconds(proc: Any) -> float:
     return total
 
 
-def new_children(before: set[int]) -> Any:
-    """The one child process of this process started since ``before`` (the new engine's EngineCore)."""
+def new_engine_core(before: set[int]) -> Any:
+    """The engine-core child process started since ``before`` (vLLM titles it ``VLLM::EngineCore``; a helper
+    such as multiprocessing's resource tracker may start beside it)."""
     import psutil
 
     started = [c for c in psutil.Process().children() if c.pid not in before]
-    if len(started) != 1:
-        raise RuntimeError(f"expected one new engine-core process, found {len(started)}")
-    return started[0]
+    cores = [c for c in started if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+    if len(cores) != 1:
+        raise RuntimeError(f"expected one new engine-core process, found {[c.name() for c in started]}")
+    return cores[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, cls in (("plain", PLAIN), ("instrumented", INSTRUMENTED)):
             before = {c.pid for c in psutil.Process().children()}
             engines[name] = make_engine(model_dir, cls, args.max_num_seqs)
-            cores[name] = new_children(before)
+            cores[name] = new_engine_core(before)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
         vocab = 200  # the tiny model's vocabulary is larger; distinct prompts, no prefix hits across requests
 
@@ -159,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"round": r, "first": order[0]}
             for name in order:
                 time.sleep(args.settle_s)
-                spent, tokens, cpu = serve(engines[name], prompts(r), params, cores[name])
+                spent, tokens, cpu, per_thread = serve(engines[name], prompts(r), params, cores[name])
                 row[name] = tokens / spent
                 row[f"{name}_cpu_us_per_token"] = cpu / tokens * 1e6
+                row[f"{name}_thread_cpu_us_per_token"] = [round(s / tokens * 1e6, 2) for s in per_thread[:8]]
             row["ratio"] = row["instrumented"] / row["plain"]
             row["cpu_ratio"] = row["plain_cpu_us_per_token"] / row["instrumented_cpu_us_per_token"]
             rows.append(row)
