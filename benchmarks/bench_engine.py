@@ -14,7 +14,7 @@ engine per round, and their per-round ratio (``cpu ratio`` = plain / instrumente
 same scale as the tokens/s ratio: below 1 means the instrumented engine costs more).
 
     .venv/bin/python benchmarks/bench_engine.py [--rounds 10] [--requests 64] [--max-tokens 256]
-        [--prompt-tokens 32] [--max-num-seqs 64] [--settle-s 1.5] [--json PATH]
+        [--prompt-tokens 32] [--max-num-seqs 64] [--settle-s 1.5] [--aa] [--json PATH]
 """
 
 from __future__ import annotations
@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         help="pause between batches, so the idle engine's readers stop spinning (vLLM: 1 s after a read)",
     )
     ap.add_argument(
+        "--aa",
+        action="store_true",
+        help="A/A control: both engines use the plain AsyncScheduler (the noise floor of every ratio)",
+    )
+    ap.add_argument(
         "--json",
         metavar="PATH",
         default=None,
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engines: dict[str, Any] = {}
         cores: dict[str, Any] = {}
-        for name, cls in (("plain", PLAIN), ("instrumented", INSTRUMENTED)):
+        for name, cls in (("plain", PLAIN), ("instrumented", PLAIN if args.aa else INSTRUMENTED)):
             before = {c.pid for c in psutil.Process().children()}
             engines[name] = make_engine(model_dir, cls, args.max_num_seqs)
             cores[name] = new_engine_core(before)
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         published = int(sum((data.get("published") or 0) for data in read_stats(stats_template).values()))
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
-    if published == 0:
+    if published == 0 and not args.aa:
         print(
             "error: the instrumented engine published no FPM record; the comparison is void", file=sys.stderr
         )
@@ -221,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             row["instrumented_cpu_us_per_token"] for row in rows
         ),
         "settle_s": args.settle_s,
+        "aa_control": args.aa,
         "load_average_1m": os.getloadavg()[0],
     }
     if args.json:
