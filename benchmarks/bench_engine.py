@@ -8,10 +8,13 @@ hits both alike. Between two batches the benchmark waits ``--settle-s``: after a
 shared-memory readers spin with ``sched_yield()`` for a second before they park, so without the pause the
 engine that just finished takes a core from the one that starts (on 2 cores, per-round ratios scattered
 0.55-2.06). Reported: tokens/s per engine per round, the per-round ratio instrumented / plain, its median,
-quartiles and spread.
+quartiles and spread; and, less touched by other jobs on the machine than wall-clock rates, the CPU seconds
+the engine-core process (with its children: on CPU the model runs in it) spent per generated token, per
+engine per round, and their per-round ratio (``cpu ratio`` = plain / instrumented CPU per token, so on the
+same scale as the tokens/s ratio: below 1 means the instrumented engine costs more).
 
     .venv/bin/python benchmarks/bench_engine.py [--rounds 10] [--requests 64] [--max-tokens 256]
-        [--prompt-tokens 32] [--max-num-seqs 64] [--settle-s 1.5] [--json PATH]
+        [--prompt-tokens 32] [--max-num-seqs 64] [--settle-s 1.5] [--aa] [--json PATH]
 """
 
 from __future__ import annotations
@@ -47,12 +50,52 @@ def make_engine(model_dir: Path, scheduler_cls: str, max_num_seqs: int) -> Any:
     )
 
 
-def serve(llm: Any, prompts: list[Any], params: Any) -> tuple[float, int]:
-    """(seconds, tokens generated) of one batch served concurrently."""
+def serve(
+    llm: Any, prompts: list[Any], params: Any, core: Any = None
+) -> tuple[float, int, float, list[float]]:
+    """(seconds, tokens generated, CPU seconds of the engine-core process tree, CPU seconds of each of the
+    engine-core process's threads, largest first) of one batch served concurrently."""
+    cpu0, threads0 = cpu_seconds(core), thread_seconds(core)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     spent = time.perf_counter() - t0
-    return spent, sum(len(o.outputs[0].token_ids) for o in outs)
+    cpu, threads = cpu_seconds(core) - cpu0, thread_seconds(core)
+    per_thread = sorted((v - threads0.get(tid, 0.0) for tid, v in threads.items()), reverse=True)
+    return spent, sum(len(o.outputs[0].token_ids) for o in outs), cpu, per_thread
+
+
+def thread_seconds(proc: Any) -> dict[int, float]:
+    """User + system seconds of each thread of ``proc`` (the engine loop, the model's OpenMP threads, the
+    publisher's sender, vLLM's I/O threads), by thread id."""
+    if proc is None:
+        return {}
+    return {th.id: th.user_time + th.system_time for th in proc.threads()}
+
+
+def cpu_seconds(proc: Any) -> float:
+    """User + system seconds of ``proc`` and its live children (0 without a process)."""
+    if proc is None:
+        return 0.0
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+        except Exception:  # a child that just exited
+            continue
+        total += times.user + times.system
+    return total
+
+
+def new_engine_core(before: set[int]) -> Any:
+    """The engine-core child process started since ``before`` (vLLM titles it ``VLLM::EngineCore``; a helper
+    such as multiprocessing's resource tracker may start beside it)."""
+    import psutil
+
+    started = [c for c in psutil.Process().children() if c.pid not in before]
+    cores = [c for c in started if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+    if len(cores) != 1:
+        raise RuntimeError(f"expected one new engine-core process, found {[c.name() for c in started]}")
+    return cores[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1.5,
         help="pause between batches, so the idle engine's readers stop spinning (vLLM: 1 s after a read)",
+    )
+    ap.add_argument(
+        "--aa",
+        action="store_true",
+        help="A/A control: both engines use the plain AsyncScheduler (the noise floor of every ratio)",
     )
     ap.add_argument(
         "--json",
@@ -101,10 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         model_dir = build_tiny_model(Path(tmp) / "tiny")
         print("starting two engines (about a minute each on 2 cores) ...", file=sys.stderr, flush=True)
-        engines = {
-            "plain": make_engine(model_dir, PLAIN, args.max_num_seqs),
-            "instrumented": make_engine(model_dir, INSTRUMENTED, args.max_num_seqs),
-        }
+        import psutil
+
+        engines: dict[str, Any] = {}
+        cores: dict[str, Any] = {}
+        for name, cls in (("plain", PLAIN), ("instrumented", PLAIN if args.aa else INSTRUMENTED)):
+            before = {c.pid for c in psutil.Process().children()}
+            engines[name] = make_engine(model_dir, cls, args.max_num_seqs)
+            cores[name] = new_engine_core(before)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
         vocab = 200  # the tiny model's vocabulary is larger; distinct prompts, no prefix hits across requests
 
@@ -126,13 +178,18 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"round": r, "first": order[0]}
             for name in order:
                 time.sleep(args.settle_s)
-                spent, tokens = serve(engines[name], prompts(r), params)
+                spent, tokens, cpu, per_thread = serve(engines[name], prompts(r), params, cores[name])
                 row[name] = tokens / spent
+                row[f"{name}_cpu_us_per_token"] = cpu / tokens * 1e6
+                row[f"{name}_thread_cpu_us_per_token"] = [round(s / tokens * 1e6, 2) for s in per_thread[:8]]
             row["ratio"] = row["instrumented"] / row["plain"]
+            row["cpu_ratio"] = row["plain_cpu_us_per_token"] / row["instrumented_cpu_us_per_token"]
             rows.append(row)
             print(
                 f"round {r}: plain {row['plain']:.0f} tok/s, instrumented {row['instrumented']:.0f} tok/s, "
-                f"ratio {row['ratio']:.3f}",
+                f"ratio {row['ratio']:.3f}; CPU per token plain {row['plain_cpu_us_per_token']:.1f} us, "
+                f"instrumented {row['instrumented_cpu_us_per_token']:.1f} us, "
+                f"cpu ratio {row['cpu_ratio']:.3f}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -140,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         published = int(sum((data.get("published") or 0) for data in read_stats(stats_template).values()))
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
-    if published == 0:
+    if published == 0 and not args.aa:
         print(
             "error: the instrumented engine published no FPM record; the comparison is void", file=sys.stderr
         )
         return 1
     ratios = sorted(row["ratio"] for row in rows)
     q1, _, q3 = statistics.quantiles(ratios, n=4)
+    cpu_ratios = sorted(row["cpu_ratio"] for row in rows)
+    c1, _, c3 = statistics.quantiles(cpu_ratios, n=4)
     summary = {
         "rounds": rows,
         "requests": args.requests,
@@ -158,7 +217,16 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_max": max(ratios),
         "plain_tok_s_median": statistics.median(row["plain"] for row in rows),
         "instrumented_tok_s_median": statistics.median(row["instrumented"] for row in rows),
+        "cpu_ratio_median": statistics.median(cpu_ratios),
+        "cpu_ratio_quartiles": [c1, c3],
+        "cpu_ratio_min": min(cpu_ratios),
+        "cpu_ratio_max": max(cpu_ratios),
+        "plain_cpu_us_per_token_median": statistics.median(row["plain_cpu_us_per_token"] for row in rows),
+        "instrumented_cpu_us_per_token_median": statistics.median(
+            row["instrumented_cpu_us_per_token"] for row in rows
+        ),
         "settle_s": args.settle_s,
+        "aa_control": args.aa,
         "load_average_1m": os.getloadavg()[0],
     }
     if args.json:
@@ -170,7 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         f"  InstrumentedScheduler    median {summary['instrumented_tok_s_median']:.0f}\n"
         f"  ratio instrumented/plain median {summary['ratio_median']:.3f} "
         f"(quartiles {q1:.3f}-{q3:.3f}, spread {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f}); "
-        f"{published} FPM records published to NATS; load average {summary['load_average_1m']:.1f}"
+        f"{published} FPM records published to NATS; load average {summary['load_average_1m']:.1f}\n"
+        f"engine-core CPU per generated token (user+system, with its children):\n"
+        f"  plain AsyncScheduler     median {summary['plain_cpu_us_per_token_median']:.1f} us\n"
+        f"  InstrumentedScheduler    median {summary['instrumented_cpu_us_per_token_median']:.1f} us\n"
+        f"  cpu ratio plain/instrumented median {summary['cpu_ratio_median']:.3f} "
+        f"(quartiles {c1:.3f}-{c3:.3f}, spread {summary['cpu_ratio_min']:.3f}-{summary['cpu_ratio_max']:.3f})"
     )
     return 0
 

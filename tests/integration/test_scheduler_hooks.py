@@ -204,3 +204,85 @@ def test_a_renamed_vllm_method_switches_to_full_scans_at_start(
         assert not [r for r in caplog.records if "_update_request_as_session" in r.getMessage()]
     finally:
         sched.shutdown()
+
+
+# ---------------------------------------------------------------- the drift guard: a queue nobody listed
+@pytest.mark.vllm
+def test_an_unknown_request_queue_is_named_once_and_every_record_equals_a_full_scan_over_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vLLM release that adds a waiting queue, played by a subclass of vLLM's AsyncScheduler that holds
+    every ``held-`` request in a queue of its own and lets one go per ``schedule()``. The scheduler finds the
+    queue when it is built, names it in one warning, and every record equals a full scan over every
+    container that holds requests (the known waiting queues and the new one)."""
+    from dynamo.vllm.fpm_classifier import KNOWN_WAITING_CONTAINERS, scan_containers
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.request_queue import create_request_queue
+
+    class NewQueueBase(AsyncScheduler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.held_waiting = create_request_queue(self.policy)
+
+        def _enqueue_waiting_request(self, request: Any) -> None:
+            if request.request_id.startswith("held-") and request.num_computed_tokens == 0:
+                self.held_waiting.add_request(request)
+            else:
+                super()._enqueue_waiting_request(request)
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            if self.held_waiting:
+                self.waiting.add_request(self.held_waiting.pop_request())
+            return super().schedule(*args, **kwargs)
+
+    class NewQueue(FpmInstrumentation, NewQueueBase):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._fpm_setup()
+
+        def _fpm_make_publisher(self, settings: Any, worker_id: str, dp_rank: int) -> Any:
+            return ListPublisher()
+
+    model_dir = write_model_config(tmp_path)
+    with caplog.at_level(logging.WARNING), fpm_env(DYN_FPM_WORKER_ID="newq", DYN_FPM_AUDIT_INTERVAL="0"):
+        sched = make_scheduler(
+            NewQueue, SchedSpec(model_dir, max_num_seqs=2, max_num_batched_tokens=64, **TEST_CONNECTOR)
+        )
+    try:
+        assert sched.fpm_mode == "scan"  # at start, before any record
+        named = [r for r in caplog.records if "held_waiting" in r.getMessage()]
+        assert len(named) == 1 and "full scan" in named[0].getMessage()
+        assert sched.fpm_counters()["unknown_containers"] == 1
+        caplog.clear()
+        s = sched._fpm
+        every_container = [*KNOWN_WAITING_CONTAINERS, "held_waiting"]
+
+        def full_scan(names: list[str]) -> Any:
+            containers = [getattr(sched, n) for n in names if hasattr(sched, n)]
+            ready = sched.finished_recving_kv_req_ids
+            return scan_containers(containers, s.kinds, ready, s.kv_arrived, s.pull_pending).totals.metrics()
+
+        for i in range(4):
+            sched.add_request(make_request(30 + i, 6, request_id=f"held-{i}"))
+            sched.add_request(make_request(20 + i, 6))
+        sched.add_request(make_request(40, 6, request_id="held-remote", remote_prefill=True))
+        published = missed_by_known = 0
+        reported: set[str] = set()  # KV loads the test (the worker side) has reported done
+        for _ in range(40):
+            before = len(sched._fpm_pub.records)
+            parked = {rid for rid, r in sched.requests.items() if r.status.name == "WAITING_FOR_REMOTE_KVS"}
+            step(sched, finished_recving=parked - reported)
+            reported |= parked
+            if len(sched._fpm_pub.records) > before:
+                published += 1
+                record = sched._fpm_pub.records[-1].queued_requests
+                assert record == full_scan(every_container)
+                missed_by_known += record != full_scan(list(KNOWN_WAITING_CONTAINERS))
+            if not sched.has_requests():
+                break
+        assert published > 5
+        assert missed_by_known > 0  # the new queue held requests: without the guard the counts were wrong
+        assert not sched.requests
+        assert not [r for r in caplog.records if "held_waiting" in r.getMessage()]  # said once
+    finally:
+        sched.shutdown()

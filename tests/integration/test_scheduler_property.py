@@ -19,8 +19,10 @@ from dynamo_fpm_testing.scheduler_support import (
     SchedSpec,
     capturing_scheduler_cls,
     fpm_env,
+    has_inflight_kv_loads,
     make_request,
     make_scheduler,
+    runner_output,
     write_model_config,
 )
 from hypothesis import HealthCheck, Phase, event, given, settings
@@ -64,7 +66,7 @@ class Driver:
         self.seen: set[str] = set()
 
     def check(self) -> None:
-        from dynamo.vllm.fpm_classifier import KNOWN_WAITING_CONTAINERS, Kind
+        from dynamo.vllm.fpm_classifier import KNOWN_WAITING_CONTAINERS, Kind, remote_prefill_flag
 
         sched = self.sched
         inc = sched.fpm_queued_metrics()
@@ -76,10 +78,23 @@ class Driver:
         }
         assert in_queues == by_status
         assert inc.num_prefill_requests + inc.num_decode_requests == len(in_queues)
+        # Remote-prefill requests whose KV pull has not started are queued decode, never prefill.
+        pending = [
+            r
+            for r in sched.requests.values()
+            if r.status.name == "WAITING" and r.num_computed_tokens == 0 and remote_prefill_flag(r)
+        ]
+        waiting_like = sum(sched._fpm_kinds[r.status] is Kind.PREFILL for r in sched.requests.values())
+        assert inc.num_prefill_requests <= waiting_like - len(pending)
+        assert inc.num_decode_requests >= len(pending) + (inc.num_decode_kv_transfer_requests or 0)
         self.checks += 1
         self.seen |= {r.status.name for r in sched.requests.values()}
         if inc.num_decode_kv_ready_requests:
             self.seen.add("ready")
+        if pending:
+            self.seen.add("pull pending")
+        if any(True for _ in getattr(sched, "async_kv_waiting", ())):
+            self.seen.add("async_kv_waiting")
 
     def schedule(self) -> None:
         if len(self.in_flight) >= 2:
@@ -102,7 +117,7 @@ class Driver:
         self.check()
 
     def update(self) -> None:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         if not self.in_flight:
             self.schedule()
@@ -116,12 +131,7 @@ class Driver:
                 invalid_block_ids=set(self.invalid),
             )
             self.recv, self.failed, self.invalid = set(), set(), set()
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            sampled_token_ids=[[11] if sample[rid] else [] for rid in ids],
-            kv_connector_output=kv,
-        )
+        mro = runner_output(ids, [[11] if sample[rid] else [] for rid in ids], kv)
         n_records = len(self.sched._fpm_pub.records)
         self.sched.update_from_output(out, mro)
         if out.total_num_scheduled_tokens:
@@ -202,20 +212,12 @@ class Driver:
 EXAMPLES = int(os.environ.get("FPM_PROPERTY_EXAMPLES", "60"))
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-)
-@given(
-    program=st.lists(op, min_size=5, max_size=70),
-    num_blocks=st.sampled_from([9, 12, 24, 400]),
-    max_num_seqs=st.sampled_from([2, 4, 16]),
-    budget=st.sampled_from([32, 64, 512]),
-)
-def test_incremental_queue_equals_full_scan_after_every_step(
-    program: list[tuple[Any, ...]], num_blocks: int, max_num_seqs: int, budget: int
+def _run_example(
+    program: list[tuple[Any, ...]],
+    num_blocks: int,
+    max_num_seqs: int,
+    budget: int,
+    inflight_kv_loads: int | None = None,
 ) -> None:
     assert _MODEL_DIR is not None
     with fpm_env(DYN_FPM_WORKER_ID="prop", DYN_FPM_AUDIT_INTERVAL="0"):
@@ -229,6 +231,7 @@ def test_incremental_queue_equals_full_scan_after_every_step(
                 max_model_len=512,
                 kv_connector="AsyncLoadTestConnector",
                 kv_connector_module_path="dynamo_fpm_testing.kv_connectors",
+                max_num_inflight_kv_loads=inflight_kv_loads,
             ),
         )
     try:
@@ -241,6 +244,44 @@ def test_incremental_queue_equals_full_scan_after_every_step(
         assert sched.fpm_counters()["audit_mismatches"] == 0
     finally:
         sched.shutdown()
+
+
+_EXAMPLE_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+)
+_PROGRAMS = st.lists(op, min_size=5, max_size=70)
+
+
+@_EXAMPLE_SETTINGS
+@given(
+    program=_PROGRAMS,
+    num_blocks=st.sampled_from([9, 12, 24, 400]),
+    max_num_seqs=st.sampled_from([2, 4, 16]),
+    budget=st.sampled_from([32, 64, 512]),
+)
+def test_incremental_queue_equals_full_scan_after_every_step(
+    program: list[tuple[Any, ...]], num_blocks: int, max_num_seqs: int, budget: int
+) -> None:
+    _run_example(program, num_blocks, max_num_seqs, budget)
+
+
+@pytest.mark.skipif(not has_inflight_kv_loads(), reason="vLLM < 0.34 has no --max-num-inflight-kv-loads")
+@_EXAMPLE_SETTINGS
+@given(
+    program=_PROGRAMS,
+    num_blocks=st.sampled_from([12, 24, 400]),
+    max_num_seqs=st.sampled_from([1, 2, 4]),
+    budget=st.sampled_from([32, 512]),
+)
+def test_with_max_num_inflight_kv_loads_1_every_record_equals_a_full_scan(
+    program: list[tuple[Any, ...]], num_blocks: int, max_num_seqs: int, budget: int
+) -> None:
+    """vLLM 0.34's ``--max-num-inflight-kv-loads 1``: remote-prefill requests wait in ``async_kv_waiting``
+    (status ``WAITING``) until their pull may start; counted as queued decode, equal to a full scan."""
+    _run_example(program, num_blocks, max_num_seqs, budget, inflight_kv_loads=1)
 
 
 def test_a_missed_hook_is_caught_by_the_property_check(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from dynamo_fpm_testing.scheduler_support import (
     SchedSpec,
     capturing_scheduler_cls,
     fpm_env,
+    has_inflight_kv_loads,
     make_request,
     make_scheduler,
     model_output,
@@ -124,6 +125,84 @@ def test_async_kv_parked_then_ready_then_promoted_as_decode(build: Any) -> None:
         1,
         0,
     )
+
+
+def test_a_remote_prefill_waiting_for_a_decode_slot_is_queued_decode(build: Any) -> None:
+    """A decode engine's remote-prefill request whose KV pull has not started (the batch is full) waits as
+    ``WAITING``: its prefill runs elsewhere, so it is queued decode with the context it will hold, in neither
+    the transfer nor the ready part; once its pull starts it is a transfer."""
+    sched = build(max_num_seqs=1, **TEST_CONNECTOR)
+    local = make_request(30, 200)
+    sched.add_request(local)
+    step(sched)
+    remote = [make_request(n, 8, remote_prefill=True) for n in (64, 80)]
+    for r in remote:
+        sched.add_request(r)
+    step(sched)
+    assert [r.status.name for r in remote] == ["WAITING", "WAITING"]
+    q = records(sched)[-1].queued_requests
+    assert (q.num_prefill_requests, q.sum_prefill_tokens) == (0, 0)
+    assert (q.num_decode_requests, q.sum_decode_kv_tokens) == (2, 64 + 80)
+    assert q.var_decode_kv_tokens == pytest.approx(64.0)
+    assert (q.num_decode_kv_transfer_requests, q.num_decode_kv_ready_requests) == (0, 0)
+    assert q == exact(sched)
+
+    # The slot frees: both pulls start (decode transfer, KV = what is being loaded).
+    sched.finish_requests(local.request_id, local.status.__class__.FINISHED_ABORTED)
+    step(sched)
+    assert [r.status.name for r in remote] == ["WAITING_FOR_REMOTE_KVS"] * 2
+    q = exact(sched)
+    assert (q.num_decode_requests, q.num_decode_kv_transfer_requests, q.sum_decode_kv_transfer_tokens) == (
+        2,
+        2,
+        63 + 79,
+    )
+    assert q.num_prefill_requests == 0
+
+
+@pytest.mark.skipif(not has_inflight_kv_loads(), reason="vLLM < 0.34 has no --max-num-inflight-kv-loads")
+def test_inflight_kv_loads_cap_parks_pulls_in_async_kv_waiting_as_queued_decode(build: Any) -> None:
+    """vLLM 0.34 with ``--max-num-inflight-kv-loads 1``: remote-prefill requests whose pull the cap holds back
+    wait in ``async_kv_waiting`` (status ``WAITING``); they are scanned and counted as queued decode."""
+    sched = build(max_num_seqs=1, max_num_inflight_kv_loads=1, **TEST_CONNECTOR)
+    assert "async_kv_waiting" in sched._fpm.container_names
+    local = make_request(30, 200)
+    sched.add_request(local)
+    step(sched)
+    remote = [make_request(n, 8, remote_prefill=True) for n in (64, 80, 96)]
+    for r in remote:
+        sched.add_request(r)
+    assert len(sched.async_kv_waiting) == 3
+    step(sched)  # the batch is full, yet one pull starts (the cap is 1); two wait in async_kv_waiting
+    assert [r.status.name for r in remote] == ["WAITING_FOR_REMOTE_KVS", "WAITING", "WAITING"]
+    assert {r.request_id for r in sched.async_kv_waiting} == {remote[1].request_id, remote[2].request_id}
+    q = records(sched)[-1].queued_requests
+    assert (q.num_prefill_requests, q.sum_prefill_tokens) == (0, 0)
+    assert (q.num_decode_requests, q.sum_decode_kv_tokens) == (3, 63 + 80 + 96)
+    assert (q.num_decode_kv_transfer_requests, q.sum_decode_kv_transfer_tokens) == (1, 63)
+    assert q.num_decode_kv_ready_requests == 0
+    assert q == exact(sched)
+    # Negative control: the scan of the two queues vLLM 0.32 has misses both waiting pulls.
+    from dynamo.vllm.fpm_classifier import scan_containers
+
+    s = sched._fpm
+    old = scan_containers(
+        [sched.kv_holding_waiting, sched.waiting], s.kinds, set(), s.kv_arrived, s.pull_pending
+    ).totals.metrics()
+    assert (old.num_decode_requests, old.num_decode_kv_transfer_requests) == (1, 1)
+
+    # The first pull ends: it is ready (it still needs the slot), and the cap still holds the others back.
+    step(sched, finished_recving=[remote[0].request_id])
+    q = exact(sched)
+    assert (q.num_decode_requests, q.num_decode_kv_ready_requests, q.num_prefill_requests) == (3, 1, 0)
+    for _ in range(3):
+        step(sched)
+        exact(sched)
+        # An audit (the incremental entries against a full scan) finds nothing to repair: before the scan
+        # read async_kv_waiting, every audit here "repaired" its requests away.
+        assert len(sched.async_kv_waiting) == 2
+        assert sched._fpm.audit(sched, sched._fpm.q)
+    assert (sched.fpm_counters()["audits"], sched.fpm_counters()["audit_mismatches"]) == (3, 0)
 
 
 def test_nixl_connector_scheduler_side_parks_requests(build: Any) -> None:
@@ -269,14 +348,6 @@ def test_abort_of_queued_and_parked_requests_leaves_exact_totals(build: Any) -> 
 
 
 # ---------------------------------------------------------------- drift guard
-KNOWN_NON_WAITING = {
-    "running",  # scheduled requests
-    "deferred_waiting",  # bookkeeping subset of the waiting queues
-    "_inflight_prefills",  # requests mid-prefill (running or parked): a subset of the others
-    "requests",  # the id -> request index of everything
-}
-
-
 def _request_containers(sched: Any) -> dict[str, set[str]]:
     from vllm.v1.request import Request
 
@@ -284,7 +355,7 @@ def _request_containers(sched: Any) -> dict[str, set[str]]:
     for name, value in vars(sched).items():
         items: Any = None
         if isinstance(value, dict):
-            items = value.values()
+            items = [*value, *value.values()]  # dict[str, Request] or dict[Request, int]
         elif hasattr(value, "__iter__") and not isinstance(value, str | bytes):
             try:
                 items = list(value)
@@ -300,7 +371,7 @@ def _request_containers(sched: Any) -> dict[str, set[str]]:
 
 def test_drift_guard_waiting_requests_live_only_where_the_classifier_looks(build: Any) -> None:
     """Fails when vLLM starts keeping waiting requests in a container the classifier does not scan."""
-    from dynamo.vllm.fpm_classifier import KNOWN_WAITING_CONTAINERS, Kind
+    from dynamo.vllm.fpm_classifier import KNOWN_CONTAINER_NAMES, KNOWN_WAITING_CONTAINERS, Kind
 
     sched = build(num_blocks=14, max_num_seqs=3, max_num_batched_tokens=64, **TEST_CONNECTOR)
     for i in range(2):
@@ -313,7 +384,7 @@ def test_drift_guard_waiting_requests_live_only_where_the_classifier_looks(build
         step(sched, finished_recving=parked[:1] if i % 3 == 2 else ())
         seen_statuses |= {r.status.name for r in sched.requests.values()}
         containers = _request_containers(sched)
-        unknown = set(containers) - set(KNOWN_WAITING_CONTAINERS) - KNOWN_NON_WAITING
+        unknown = set(containers) - KNOWN_CONTAINER_NAMES
         assert not unknown, f"requests held in containers the FPM classifier does not know: {unknown}"
         in_queues = set().union(*(containers.get(n, set()) for n in KNOWN_WAITING_CONTAINERS))
         by_status = {

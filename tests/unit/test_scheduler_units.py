@@ -19,9 +19,13 @@ from dynamo.vllm.fpm_classifier import (
     Kind,
     QueueClass,
     classify,
+    find_request_containers,
     kind_of_status_name,
+    remote_prefill_flag,
+    requests_in,
     scan_containers,
     status_kinds,
+    unknown_request_containers,
     unknown_statuses,
 )
 from dynamo.vllm.fpm_env import FpmSettings, dp_rank_of
@@ -83,6 +87,93 @@ def test_classify_rules() -> None:
     assert classify(Kind.PREEMPTED, 40, 81, False, False) == (QueueClass.DECODE_PREEMPTED, 40, 0)
     assert classify(Kind.NOT_QUEUED, 5, 10, False, False) is None
     assert classify(Kind.UNKNOWN, 0, 7, False, False) == (QueueClass.UNKNOWN, 7, 7)
+    # A remote prefill whose KV pull has not started: queued decode with the context it will hold.
+    assert classify(Kind.PREFILL, 0, 64, False, False, True) == (QueueClass.DECODE_PENDING, 64, 0)
+    # Once anything is computed here the flag is not looked at (a chunk in progress is prefill).
+    assert classify(Kind.PREFILL, 20, 64, False, False, True) == (QueueClass.PREFILL, 64, 44)
+
+
+def test_a_pending_pull_is_queued_decode_in_neither_split_part() -> None:
+    remote = req("r", OldStatus.WAITING, 0, 64)
+    remote.kv_transfer_params = {"do_remote_prefill": True}
+    local = req("l", OldStatus.WAITING, 0, 30)
+    local.kv_transfer_params = None
+    kinds = status_kinds(OldStatus)
+    m = scan_containers([[remote, local]], kinds, set(), set(), remote_prefill_flag).totals.metrics()
+    assert (m.num_prefill_requests, m.sum_prefill_tokens) == (1, 30)
+    assert (m.num_decode_requests, m.sum_decode_kv_tokens) == (1, 64)
+    assert (m.num_decode_kv_transfer_requests, m.num_decode_kv_ready_requests) == (0, 0)
+    # Without a KV connector (no predicate) the flag means nothing: prefill, as before.
+    m = scan_containers([[remote, local]], kinds, set(), set()).totals.metrics()
+    assert (m.num_prefill_requests, m.num_decode_requests) == (2, 0)
+    # The incremental path agrees, and follows the flag being cleared when the pull is set up.
+    q = IncrementalQueue(kinds, pull_pending=remote_prefill_flag)
+    q.touched.update({"r", "l"})
+    q.reconcile({"r": remote, "l": local}, set(), set())
+    assert (
+        q.metrics()
+        == scan_containers([[remote, local]], kinds, set(), set(), remote_prefill_flag).totals.metrics()
+    )
+
+
+# ---------------------------------------------------------------- the drift guard's finder
+class Request:
+    """Stands for vLLM's ``Request`` (the finder matches the annotation's name and the instance's type)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+class StubQueue(deque[Any]):
+    """Stands for vLLM's ``RequestQueue``."""
+
+
+class GuardedBase:
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}  # annotated
+        self.waiting = StubQueue()  # a request queue by type
+        self.new_queue = StubQueue()  # a request queue nobody listed
+        self.new_set: set[Request] = set()  # annotated, empty
+        self.by_request: dict[Any, int] = {Request("x"): 1}  # keys are requests (by content)
+        self.ids: set[str] = {"x"}  # not requests
+        self.later: list[Any] = []  # un-annotated, empty: invisible until it holds a request
+        self.count = 3
+
+
+def test_the_finder_sees_queues_annotated_and_filled_containers() -> None:
+    found = find_request_containers(GuardedBase(), Request, (StubQueue,))
+    assert set(found) == {"requests", "waiting", "new_queue", "new_set", "by_request"}
+    assert unknown_request_containers(found) == ["by_request", "new_queue", "new_set"]
+    assert [r.request_id for r in requests_in(found["by_request"])] == ["x"]
+    assert [r.request_id for r in requests_in({"a": Request("a")})] == ["a"]
+
+
+def test_a_container_filled_later_is_found_at_the_next_audit(caplog: pytest.LogCaptureFixture) -> None:
+    class Later(FpmInstrumentation, OldLayoutBase):
+        def __init__(self) -> None:
+            super().__init__()
+            self.later: list[Any] = []
+            self._fpm_setup(OldLayoutBase, OldStatus, request_type=SimpleNamespace)
+
+        def _fpm_make_publisher(self, settings: Any, worker_id: str, dp_rank: int) -> Any:
+            return ListPublisher()
+
+    env = dict(DYN_FPM_WORKER_ID="later", DYN_FPM_SNAPSHOT_INTERVAL="0.01", DYN_FPM_AUDIT_INTERVAL="30")
+    with caplog.at_level(logging.WARNING), fpm_env(**env):
+        sched = Later()
+        assert sched.fpm_counters()["unknown_containers"] == 0
+        hidden = req("h", OldStatus.WAITING, 0, 12)
+        sched.requests["h"] = hidden
+        sched.later.append(hidden)  # a container the guard could not see while it was empty
+        sched.update_from_output(sched.schedule(), None)
+        assert sched._fpm_pub.records[-1].queued_requests.num_prefill_requests == 0  # not due yet: missed
+        sched._fpm.next_audit = 0.0
+        sched._fpm_last_publish = 0.0
+        sched.update_from_output(sched.schedule(), None)
+    q = sched._fpm_pub.records[-1].queued_requests
+    assert (q.num_prefill_requests, q.sum_prefill_tokens) == (1, 12)
+    assert sched.fpm_counters()["unknown_containers"] == 1 and sched.fpm_mode == "scan"
+    assert len([r for r in caplog.records if "later" in r.getMessage()]) == 1
 
 
 def test_scan_counts_each_request_once_over_old_layout() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import os
 import threading
@@ -72,6 +74,7 @@ class SchedSpec:
     kv_role: str = "kv_consumer"
     enable_chunked_prefill: bool = True
     structured_output: bool = False
+    max_num_inflight_kv_loads: int | None = None  # vLLM >= 0.34 (``--max-num-inflight-kv-loads``)
 
 
 def make_scheduler(cls: type, spec: SchedSpec) -> Any:
@@ -103,6 +106,9 @@ def make_scheduler(cls: type, spec: SchedSpec) -> Any:
             kv_connector_module_path=spec.kv_connector_module_path,
             kv_role=spec.kv_role,
         )
+    extra: dict[str, Any] = {}
+    if spec.max_num_inflight_kv_loads is not None:
+        extra["max_num_inflight_kv_loads"] = spec.max_num_inflight_kv_loads
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -111,6 +117,7 @@ def make_scheduler(cls: type, spec: SchedSpec) -> Any:
             max_model_len=spec.max_model_len,
             is_encoder_decoder=False,
             enable_chunked_prefill=spec.enable_chunked_prefill,
+            **extra,
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         kv_transfer_config=kv_transfer,
@@ -177,9 +184,38 @@ def make_request(
     return Request(rid, prompt, params, None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
 
 
+def runner_output(
+    req_ids: list[str], sampled_token_ids: list[list[int]], kv_connector_output: Any = None
+) -> Any:
+    """A ``ModelRunnerOutput`` for the installed vLLM: up to 0.33 it also carries ``req_id_to_index``; 0.34
+    removed it (the scheduler indexes outputs by the order of ``req_ids``)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    extra: dict[str, Any] = {}
+    if _has_req_id_to_index():
+        extra["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled_token_ids, kv_connector_output=kv_connector_output, **extra
+    )
+
+
+def has_inflight_kv_loads() -> bool:
+    """Whether this vLLM has ``--max-num-inflight-kv-loads`` and ``Scheduler.async_kv_waiting`` (0.34)."""
+    from vllm.config import SchedulerConfig
+
+    return "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
+
+
+@functools.cache
+def _has_req_id_to_index() -> bool:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+
+
 def model_output(sched_out: Any, *, finished_recving: Iterable[str] = (), token: int = 7) -> Any:
     """A ModelRunnerOutput for every request of ``sched_out`` (one sampled token each, none mid-prefill)."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
     req_ids = list(sched_out.num_scheduled_tokens)
     sampled = []
@@ -189,12 +225,7 @@ def model_output(sched_out: Any, *, finished_recving: Iterable[str] = (), token:
     recv = set(finished_recving)
     if recv:
         kv_out = KVConnectorOutput(finished_recving=recv)
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=kv_out,
-    )
+    return runner_output(req_ids, sampled, kv_out)
 
 
 def prefill_done_output(sched: Any, sched_out: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,15 @@ from operator import mul
 from typing import Any
 
 from dynamo.common.forward_pass_metrics import QueuedRequestMetrics, ScheduledRequestMetrics
-from dynamo.vllm.fpm_classifier import Entry, Kind, QueueTotals, ScanResult, classify, kind_of_status_name
+from dynamo.vllm.fpm_classifier import (
+    Entry,
+    Kind,
+    PullPending,
+    QueueTotals,
+    ScanResult,
+    classify,
+    kind_of_status_name,
+)
 
 _EMPTY: tuple[str, ...] = ()
 _NONE: set[str] = set()
@@ -147,11 +155,17 @@ class IncrementalQueue:
     KV-arrived flag can have changed; ``reconcile`` re-classifies exactly those.
     """
 
-    __slots__ = ("entries", "kinds", "on_unknown", "totals", "touched")
+    __slots__ = ("entries", "kinds", "on_unknown", "pull_pending", "totals", "touched")
 
-    def __init__(self, kinds: Mapping[Any, Kind], on_unknown: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        kinds: Mapping[Any, Kind],
+        on_unknown: Callable[[str], None] | None = None,
+        pull_pending: PullPending = None,
+    ) -> None:
         self.kinds = kinds
         self.on_unknown = on_unknown
+        self.pull_pending = pull_pending
         self.totals = QueueTotals()
         self.entries: dict[str, Entry] = {}
         self.touched: set[str] = set()
@@ -163,6 +177,7 @@ class IncrementalQueue:
         entries = self.entries
         totals = self.totals
         kinds = self.kinds
+        pull_pending = self.pull_pending
         for rid in touched:
             req = requests.get(rid)
             if req is None:
@@ -175,8 +190,17 @@ class IncrementalQueue:
                 if kind is Kind.NOT_QUEUED:
                     new = None
                 else:
+                    computed = req.num_computed_tokens
                     new = classify(
-                        kind, req.num_computed_tokens, req.num_tokens, rid in ready_ids, rid in kv_arrived
+                        kind,
+                        computed,
+                        req.num_tokens,
+                        rid in ready_ids,
+                        rid in kv_arrived,
+                        pull_pending is not None
+                        and kind is Kind.PREFILL
+                        and computed == 0
+                        and pull_pending(req),
                     )
                     if kind is Kind.UNKNOWN and self.on_unknown is not None:
                         self.on_unknown(getattr(status, "name", str(status)))

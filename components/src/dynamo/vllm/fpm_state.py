@@ -16,7 +16,15 @@ from typing import Any
 
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, QueuedRequestMetrics
 from dynamo.vllm.fpm_accounting import IncrementalQueue
-from dynamo.vllm.fpm_classifier import Kind, ScanResult, scan_containers, waiting_containers
+from dynamo.vllm.fpm_classifier import (
+    Kind,
+    PullPending,
+    ScanResult,
+    find_request_containers,
+    scan_containers,
+    unknown_request_containers,
+    waiting_containers,
+)
 from dynamo.vllm.fpm_env import FpmSettings
 
 logger = logging.getLogger(__name__)
@@ -37,6 +45,7 @@ class FpmCounters:
     audits: int = 0
     audit_mismatches: int = 0
     unmatched_outputs: int = 0
+    unknown_containers: int = 0  # request containers unknown to the classifier (drift guard), found so far
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -84,6 +93,11 @@ class FpmSchedulerState:
     settings: FpmSettings | None = None
     kinds: Mapping[Any, Kind] = field(default_factory=dict)
     container_names: tuple[str, ...] | None = None
+    # The drift guard looks for request containers of this type (and vLLM's request-queue classes).
+    request_type: type | None = None
+    queue_types: tuple[type, ...] = ()
+    # Whether a waiting request's KV pull from a remote prefill is still to start (None: no KV connector).
+    pull_pending: PullPending = None
     q: IncrementalQueue | None = None  # None: full scan per record
     fast_path: bool = True  # the scheduled side's all-decode fast path (needs the preemption hook)
     worker_id: str = ""
@@ -136,12 +150,41 @@ class FpmSchedulerState:
         names = self.container_names
         if names is None:  # never set up: look now
             names = tuple(name for name, _ in waiting_containers(sched))
-        containers = [getattr(sched, name) for name in names]
+        containers = [c for c in (getattr(sched, name, None) for name in names) if c is not None]
         ready = getattr(sched, "finished_recving_kv_req_ids", _NO_IDS)
-        return scan_containers(containers, self.kinds, ready, self.kv_arrived)
+        return scan_containers(containers, self.kinds, ready, self.kv_arrived, self.pull_pending)
+
+    def unknown_containers(self, sched: Any) -> list[str]:
+        """Request containers of ``sched`` that the classifier does not know and this state does not scan."""
+        if self.request_type is None:
+            return []
+        found = find_request_containers(sched, self.request_type, self.queue_types)
+        scanned = set(self.container_names or ())
+        return [name for name in unknown_request_containers(found) if name not in scanned]
+
+    def guard_containers(self, sched: Any, unknown: list[str]) -> None:
+        """The drift guard's action: scan ``unknown`` too, in full-scan mode, and say so once."""
+        self.counters.unknown_containers += len(unknown)
+        self.container_names = (*(self.container_names or ()), *unknown)
+        self.q = None
+        self.mode = "scan"
+        logger.warning(
+            "vLLM's scheduler holds requests in %s, unknown to the FPM classifier (a queue added by this "
+            "vLLM release?): queued metrics now use a full scan per record over %s",
+            ", ".join(unknown),
+            ", ".join(self.container_names),
+        )
 
     def queued(self, sched: Any, now: float) -> QueuedRequestMetrics:
-        """The queued side of the next record: reconciled (or scanned), audited when due."""
+        """The queued side of the next record: reconciled (or scanned), audited when due.
+
+        When an audit is due the drift guard first looks for request containers filled since the start."""
+        due = bool(self.audit_interval) and now >= self.next_audit
+        if due:
+            self.next_audit = now + self.audit_interval
+            unknown = self.unknown_containers(sched)
+            if unknown:
+                self.guard_containers(sched, unknown)
         q = self.q
         if q is None:
             scan = self.scan(sched)
@@ -156,8 +199,7 @@ class FpmSchedulerState:
             q.reconcile(
                 sched.requests, getattr(sched, "finished_recving_kv_req_ids", _NO_IDS), self.kv_arrived
             )
-        if self.audit_interval and now >= self.next_audit:
-            self.next_audit = now + self.audit_interval
+        if due:
             self.audit(sched, q)
         return q.metrics()
 

@@ -42,13 +42,24 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, QueuedRequestMetrics
 from dynamo.vllm.fpm_accounting import IncrementalQueue, summarize_scheduled
-from dynamo.vllm.fpm_classifier import Kind, status_kinds, unknown_statuses, waiting_containers
+from dynamo.vllm.fpm_classifier import (
+    KNOWN_WAITING_CONTAINERS,
+    Kind,
+    PullPending,
+    find_request_containers,
+    remote_prefill_flag,
+    status_kinds,
+    unknown_request_containers,
+    unknown_statuses,
+    waiting_containers,
+)
 from dynamo.vllm.fpm_env import STAT_KV_PINNED, FpmSettings, dp_rank_of
 from dynamo.vllm.fpm_hooks import HookCheck, Role, check_hooks
 from dynamo.vllm.fpm_state import PRUNE_PREEMPTED, FpmSchedulerState, HeldKv
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.request import RequestStatus
+from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.request import Request, RequestStatus
 
 # For the type checker the mixin is what it extends at run time: a vLLM scheduler (read as Any while
 # mypy's config skips vLLM's own types: docs/type-checking.md). At run time it is a plain mixin, also
@@ -103,12 +114,20 @@ class FpmInstrumentation(_SchedulerBase):
     _fpm_last_publish = _state_view("last_publish", "When the last record or snapshot went out.")
 
     # --------------------------------------------------------------- setup
-    def _fpm_setup(self, base: type | None = None, status_enum: Any = RequestStatus) -> None:
+    def _fpm_setup(
+        self,
+        base: type | None = None,
+        status_enum: Any = RequestStatus,
+        request_type: type = Request,
+        queue_types: tuple[type, ...] = (RequestQueue,),
+    ) -> None:
         """Read the settings, check ``base`` (default: the class after this mixin) and start publishing."""
         if base is None:
             mro = type(self).__mro__
             base = mro[mro.index(FpmInstrumentation) + 1]
-        s = self._fpm = FpmSchedulerState(kinds=status_kinds(status_enum))
+        s = self._fpm = FpmSchedulerState(
+            kinds=status_kinds(status_enum), request_type=request_type, queue_types=queue_types
+        )
         try:
             settings = FpmSettings.from_env()
         except ValueError as exc:
@@ -123,7 +142,7 @@ class FpmInstrumentation(_SchedulerBase):
         hooks = check_hooks(base)
         if not containers or not hooks.can_publish:
             what = (
-                "none of the known waiting containers (kv_holding_waiting, waiting, skipped_waiting); "
+                f"none of the known waiting containers ({', '.join(KNOWN_WAITING_CONTAINERS)}); "
                 "publishing would report empty queues that are not empty"
                 if not containers
                 else f"no method {', '.join(hooks.lacks(Role.RECORD))}; no record could be built"
@@ -136,6 +155,7 @@ class FpmInstrumentation(_SchedulerBase):
             )
             return
         s.container_names = tuple(name for name, _ in containers)
+        s.pull_pending = _pull_pending(getattr(self, "connector", None))
         unknown = unknown_statuses(status_enum)
         if unknown:
             logger.warning(
@@ -146,8 +166,13 @@ class FpmInstrumentation(_SchedulerBase):
         mode = _accounting_mode(settings.queue_accounting, hooks, unknown, base)
         s.mode = mode
         s.fast_path = hooks.fast_path_ok
+        # The drift guard: a request container nobody listed (a new vLLM queue) turns on a full scan over it.
+        strangers = unknown_request_containers(find_request_containers(self, request_type, queue_types))
+        if strangers:
+            s.guard_containers(self, strangers)
+            mode = s.mode
         if mode == "incremental":
-            s.q = IncrementalQueue(s.kinds, s.unknown_status)
+            s.q = IncrementalQueue(s.kinds, s.unknown_status, s.pull_pending)
             s.q.reset_from(s.scan(self))
         if getattr(self, "connector", None) is not None and not hooks.lacks(Role.HELD_KV):
             s.held = HeldKv()
@@ -381,6 +406,15 @@ class FpmInstrumentation(_SchedulerBase):
             except Exception:  # shutdown must go on
                 logger.exception("closing the FPM publisher failed")
         super().shutdown()
+
+
+def _pull_pending(connector: Any) -> PullPending:
+    """How to tell a remote-prefill request whose KV pull has not started: the connector's own
+    ``may_load_async`` (vLLM 0.34), else the ``do_remote_prefill`` flag; None without a KV connector."""
+    if connector is None:
+        return None
+    may_load_async = getattr(connector, "may_load_async", None)
+    return may_load_async if callable(may_load_async) else remote_prefill_flag
 
 
 def _accounting_mode(requested: str, hooks: HookCheck, unknown: list[str], base: type) -> str:
