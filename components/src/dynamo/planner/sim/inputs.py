@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,19 @@ from typing import Any
 # The engine pair of docs/planner-evaluation.md: 8192 blocks of 64 tokens, 64 sequences, 16k context.
 DEFAULT_ENGINE: dict[str, Any] = {"num_gpu_blocks": 8192, "max_num_seqs": 64, "max_model_len": 16384}
 DEFAULT_STARTUP_S = 60.0
+
+
+# Dynamo's KV router logs one INFO line per routed request and pool (about 40,000 lines for an hour of the
+# conversation trace); the runtime reads DYN_LOG once, when ``dynamo._core`` is first imported.
+ROUTER_SELECTION_LOGS = "dynamo_kv_router::scheduling::selector=warn"
+
+
+def quiet_router_selection() -> None:
+    """Before the runtime's first import: keep the router's per-request lines out of DYN_LOG's level
+    (a DYN_LOG that names ``dynamo_kv_router`` itself is left as it is)."""
+    level = os.environ.get("DYN_LOG") or "info"
+    if "dynamo._core" not in sys.modules and "dynamo_kv_router" not in level:
+        os.environ["DYN_LOG"] = f"{level},{ROUTER_SELECTION_LOGS}"
 
 
 class SimInputError(ValueError):
@@ -112,6 +127,7 @@ def parse_json_arg(text: str | None, what: str) -> dict[str, Any]:
 
 def engine_args(given: Mapping[str, Any], pool: str, startup_s: float | None) -> dict[str, Any]:
     """The mocker's normalized config for one pool (unknown keys rejected by the mocker itself)."""
+    quiet_router_selection()
     from dynamo._core import _normalize_mocker_config
 
     what = f"{pool}-engine-args"
