@@ -153,3 +153,47 @@ def test_every_workload_is_seeded_and_heavy_tailed(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="unknown workload"):
         workload_requests("azure-chat-x1")
+
+
+def _summary(goodput: float, gpu_h: float, flips: tuple[int, int], duration_s: float = 3600.0) -> dict:
+    return {
+        "goodput_pct": goodput,
+        "gpu_hours": gpu_h,
+        "duration_s": duration_s,
+        "flips": {"prefill": flips[0], "decode": flips[1]},
+    }
+
+
+def test_the_issue_targets_judge_each_run() -> None:
+    from dynamo.planner.sim.traffic_targets import judge
+
+    ok = judge(_summary(96.0, 2.08, (2, 4)), 0.0, False, 2.0)
+    assert ok.met and ok.gpu_hours_ratio == pytest.approx(1.04) and ok.flips_per_30_min["decode"] == 2.0
+    assert not judge(_summary(96.0, 2.12, (0, 0)), 0.0, False, 2.0).met  # 1.06x at 0 s: too many GPU-hours
+    assert judge(_summary(96.0, 2.28, (0, 0)), 60.0, False, 2.0).met  # 1.14x at 60 s
+    assert not judge(_summary(94.9, 2.0, (0, 0)), 60.0, False, 2.0).met
+    assert not judge(_summary(99.0, 2.0, (0, 5)), 0.0, False, 2.0).flips_ok  # 5 in one hour: 2.5 per 30 min
+    assert not judge(_summary(99.0, 2.0, (2, 0), duration_s=900.0), 0.0, False, 2.0).flips_ok
+    from_one = judge(_summary(93.5, 9.0, (0, 0)), 0.0, True, 2.0)
+    assert from_one.met and from_one.gpu_hours_ok is None  # from 1+1: goodput only
+    assert not judge(_summary(92.0, 1.0, (0, 0)), 0.0, True, 2.0).met
+
+
+@pytest.mark.parametrize(("need_p", "need_d"), [(1, 1), (3, 7), (7, 3), (12, 2), (5, 5)])
+def test_the_static_search_finds_each_pools_need(need_p: int, need_d: int) -> None:
+    """Goodput that needs ``need_p`` prefill and ``need_d`` decode engines (a stand-in for the simulator)."""
+    from dynamo.planner.sim.baselines import cheapest_static_pools
+    from dynamo.planner.sim.harness import SimSpec
+
+    calls: list[tuple[int, int]] = []
+
+    def run(spec: SimSpec, fleet: tuple[int, int]) -> dict:
+        calls.append(fleet)
+        p, d = fleet
+        return {"goodput_pct": 100.0 * min(1.0, p / need_p) * min(1.0, d / need_d)}
+
+    spec = SimSpec(("t",), {}, {}, 2000.0, 50.0)
+    found = cheapest_static_pools(spec, run=run)
+    assert found is not None and found[0] == (need_p, need_d)
+    assert len(set(calls)) <= 20
+    assert cheapest_static_pools(spec, max_n=4, run=run) == (None if max(need_p, need_d) > 4 else found)
