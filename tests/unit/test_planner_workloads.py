@@ -173,7 +173,8 @@ def test_the_issue_targets_judge_each_run() -> None:
     assert judge(_summary(96.0, 2.28, (0, 0)), 60.0, False, 2.0).met  # 1.14x at 60 s
     assert not judge(_summary(94.9, 2.0, (0, 0)), 60.0, False, 2.0).met
     assert not judge(_summary(99.0, 2.0, (0, 5)), 0.0, False, 2.0).flips_ok  # 5 in one hour: 2.5 per 30 min
-    assert not judge(_summary(99.0, 2.0, (2, 0), duration_s=900.0), 0.0, False, 2.0).flips_ok
+    assert judge(_summary(99.0, 2.0, (2, 0), duration_s=900.0), 0.0, False, 2.0).flips_ok  # 2 within 30 min
+    assert not judge(_summary(99.0, 2.0, (3, 0), duration_s=900.0), 0.0, False, 2.0).flips_ok
     from_one = judge(_summary(93.5, 9.0, (0, 0)), 0.0, True, 2.0)
     assert from_one.met and from_one.gpu_hours_ok is None  # from 1+1: goodput only
     assert not judge(_summary(92.0, 1.0, (0, 0)), 0.0, True, 2.0).met

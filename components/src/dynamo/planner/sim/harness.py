@@ -25,7 +25,7 @@ from ..config import PlannerConfig
 from ..decision_log import DecisionLog
 from ..loop import Planner
 from .connector import POOLS, SimCardSource, SimulatorConnector, engine_capacity
-from .inputs import check_trace, engine_args, merge_traces, quiet_router_selection
+from .inputs import check_trace, engine_args, merge_traces, quiet_simulator_logs
 from .records import queue_snapshot, to_record
 from .stats import direction_flips, percentile
 from .traffic import SimArrivals, arrivals_from
@@ -274,7 +274,7 @@ def _replay(spec: SimSpec, fleet: tuple[int, int], policy: Any, telemetry_ms: fl
         with tempfile.TemporaryDirectory(prefix="dynamo-simulate-") as tmp:
             merged = merge_traces(list(spec.traces), Path(tmp) / "merged.jsonl")
             return _replay(replace(spec, traces=(str(merged),)), fleet, policy, telemetry_ms)
-    quiet_router_selection()
+    quiet_simulator_logs()
     from dynamo._core import run_mocker_trace_replay
 
     return run_mocker_trace_replay(

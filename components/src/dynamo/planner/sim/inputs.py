@@ -19,17 +19,20 @@ DEFAULT_ENGINE: dict[str, Any] = {"num_gpu_blocks": 8192, "max_num_seqs": 64, "m
 DEFAULT_STARTUP_S = 60.0
 
 
-# Dynamo's KV router logs one INFO line per routed request and pool (about 40,000 lines for an hour of the
-# conversation trace); the runtime reads DYN_LOG once, when ``dynamo._core`` is first imported.
-ROUTER_SELECTION_LOGS = "dynamo_kv_router::scheduling::selector=warn"
+# Per-run noise at INFO: Dynamo's KV router logs one line per routed request and pool (about 40,000 for an
+# hour of the conversation trace), the mocker one per engine it starts. The runtime reads DYN_LOG once, when
+# ``dynamo._core`` is first imported.
+SIMULATOR_LOG_DIRECTIVES = (
+    "dynamo_kv_router::scheduling::selector=warn,aisimulate_core::engine::kv_manager=warn"
+)
 
 
-def quiet_router_selection() -> None:
-    """Before the runtime's first import: keep the router's per-request lines out of DYN_LOG's level
-    (a DYN_LOG that names ``dynamo_kv_router`` itself is left as it is)."""
+def quiet_simulator_logs() -> None:
+    """Before the runtime's first import: those per-request and per-engine lines at warn (a DYN_LOG with
+    directives of its own is left as it is)."""
     level = os.environ.get("DYN_LOG") or "info"
-    if "dynamo._core" not in sys.modules and "dynamo_kv_router" not in level:
-        os.environ["DYN_LOG"] = f"{level},{ROUTER_SELECTION_LOGS}"
+    if "dynamo._core" not in sys.modules and "=" not in level:
+        os.environ["DYN_LOG"] = f"{level},{SIMULATOR_LOG_DIRECTIVES}"
 
 
 class SimInputError(ValueError):
@@ -127,7 +130,7 @@ def parse_json_arg(text: str | None, what: str) -> dict[str, Any]:
 
 def engine_args(given: Mapping[str, Any], pool: str, startup_s: float | None) -> dict[str, Any]:
     """The mocker's normalized config for one pool (unknown keys rejected by the mocker itself)."""
-    quiet_router_selection()
+    quiet_simulator_logs()
     from dynamo._core import _normalize_mocker_config
 
     what = f"{pool}-engine-args"

@@ -99,8 +99,8 @@ WORKLOADS: dict[str, Workload] = {
                 "azure",
             )
             for trace, what, fleets in (
-                ("conv", "conversation", {1: (2, 2), 2: (3, 3), 4: (6, 6)}),
-                ("code", "coding", {1: (2, 1), 2: (3, 1), 4: (6, 2)}),
+                ("conv", "conversation", {1: (1, 1), 2: (1, 1), 4: (1, 2), 8: (2, 3), 16: (3, 6)}),
+                ("code", "coding", {1: (1, 1), 2: (2, 1), 4: (3, 1), 8: (4, 1), 16: (8, 2)}),
             )
             for speed, initial in fleets.items()
         ),
