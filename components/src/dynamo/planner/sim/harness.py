@@ -56,6 +56,7 @@ def trace_spec(
     startup_s: float = 0.0,
     sla_ttft_ms: float = 2000.0,
     sla_itl_ms: float = 50.0,
+    router: str = "round-robin",
 ) -> SimSpec:
     """One trace on the default engine pair (``engine_args`` without overrides) at a cold start."""
     return at_startup(
@@ -67,6 +68,7 @@ def trace_spec(
             sla_itl_ms=sla_itl_ms,
             trace_duration_s=check_trace(str(trace)),
             initial=initial,
+            router=router,
         ),
         startup_s,
     )

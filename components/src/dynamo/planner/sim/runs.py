@@ -28,9 +28,10 @@ def planner_row(
     config: dict[str, Any],
     sla_ttft_ms: float = 2000.0,
     sla_itl_ms: float = 50.0,
+    router: str = "round-robin",
 ) -> dict[str, Any]:
     """Our planner (``config``: a mapping, as ``--config`` takes it) on scenario ``name``'s trace."""
-    spec = trace_spec(Path(trace), SCENARIOS[name].initial, startup_s, sla_ttft_ms, sla_itl_ms)
+    spec = trace_spec(Path(trace), SCENARIOS[name].initial, startup_s, sla_ttft_ms, sla_itl_ms, router)
     summary = simulate(spec, config_from_mapping(config))["summary"]
     return {"scenario": name, "startup_s": startup_s, "policy": "ours", **summary}
 
