@@ -9,8 +9,8 @@ Prints one row per (scenario, cold start, policy); ``--json`` writes every summa
 ``--seeds 0,1,2`` runs the suite on each seed's traces (each judged against its own static fleet and
 upstream run) and says how many seeds meet each target.
 
-    python benchmarks/bench_planner_outcomes.py [--scenarios a,b] [--startups 0,60,180] [--no-upstream] [--router kv] \
-        [--jobs N] [--seeds 0,1,2]
+    python benchmarks/bench_planner_outcomes.py [--scenarios a,b] [--startups 0,60,180] [--no-upstream] \
+        [--jobs N] [--seeds 0,1,2] [--router kv]
 """
 
 from __future__ import annotations
