@@ -90,6 +90,9 @@ def main() -> int:
     if bad or args.jobs < 1:
         print(f"unknown workload or router {bad[0]!r}" if bad else "--jobs: 1 or more", file=sys.stderr)
         return 2
+    if not 0 <= args.prefix_share <= 1:
+        print(f"--prefix-share {args.prefix_share:g}: expected 0 to 1", file=sys.stderr)
+        return 2
     try:
         startups = [float(x) for x in args.startups.split(",")]
         mapping = merge(SUITE_FLEET_LIMITS, load_config_arg(args.config))

@@ -198,3 +198,15 @@ def test_the_static_search_finds_each_pools_need(need_p: int, need_d: int) -> No
     assert found is not None and found[0] == (need_p, need_d)
     assert len(set(calls)) <= 20
     assert cheapest_static_pools(spec, max_n=4, run=run) == (None if max(need_p, need_d) > 4 else found)
+
+
+def test_the_traffic_benchmark_refuses_bad_arguments_before_simulating() -> None:
+    from dynamo_fpm_testing.planner_support import run_benchmark
+
+    for args, message in (
+        (["--workloads", "gen-bursty", "--routers", "hash"], "unknown workload or router 'hash'"),
+        (["--prefix-share", "1.5"], "--prefix-share 1.5: expected 0 to 1"),
+    ):
+        done = run_benchmark("bench_planner_traffic.py", *args, timeout=120)
+        assert done.returncode == 2
+        assert message in done.stderr and done.stdout == ""
