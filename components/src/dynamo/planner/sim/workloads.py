@@ -9,6 +9,7 @@ benchmark re-searches it per router). docs/planner-evaluation.md, "Real traffic"
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,25 +66,29 @@ def _generated(make: Callable[[random.Random, int], list[dict[str, Any]]], share
     return build
 
 
+GENERATED_S = 600.0  # 10 minutes each: several engines per pool at the peak, a replay of under a minute
+
+
 def _bursty(rng: random.Random, seed: int) -> list[dict[str, Any]]:
-    rate = gen.gamma_modulated(6.0, 0.5, 60.0, seed)
-    times = gen.arrivals(rate, 30.0, 1200.0, rng)
+    rate = gen.gamma_modulated(32.0, 0.5, 60.0, seed)
+    times = gen.arrivals(rate, 128.0, GENERATED_S, rng)
     return gen.single_turn(times, gen.CONV_PROMPT, gen.CONV_OUTPUT, rng)
 
 
 def _diurnal(rng: random.Random, seed: int) -> list[dict[str, Any]]:
-    rate = gen.drifting(lambda t: 3.0, 0.5, 2400.0, phase=-1.5707963)  # the low half of a 40-minute wave
-    times = gen.arrivals(rate, 4.5, 1200.0, rng)
+    # The rising half of a 20-minute wave: 8 -> 24 req/s.
+    rate = gen.drifting(lambda t: 16.0, 0.5, 2 * GENERATED_S, phase=-math.pi / 2)
+    times = gen.arrivals(rate, 24.0, GENERATED_S, rng)
     return gen.single_turn(times, gen.CODE_PROMPT, gen.CODE_OUTPUT, rng)
 
 
 def _sessions(rng: random.Random, seed: int) -> list[dict[str, Any]]:
-    rate = gen.drifting(gen.gamma_modulated(1.2, 0.3, 120.0, seed), 0.3, 1800.0)
-    starts = gen.arrivals(rate, 6.0, 1200.0, rng)
+    rate = gen.drifting(gen.gamma_modulated(6.0, 0.3, 60.0, seed), 0.3, GENERATED_S)
+    starts = gen.arrivals(rate, 30.0, GENERATED_S, rng)
     reqs = gen.sessions(
-        starts, gen.CONV_PROMPT, gen.LogNormal(200, 1200, 1, 16384), gen.CONV_OUTPUT, 4.0, 60.0, rng
+        starts, gen.CONV_PROMPT, gen.LogNormal(200, 1200, 1, 16384), gen.CONV_OUTPUT, 4.0, 30.0, rng
     )
-    return [r for r in reqs if float(r["timestamp"]) < 1200_000.0]
+    return [r for r in reqs if float(r["timestamp"]) < GENERATED_S * 1000.0]
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -106,7 +111,7 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload(
             "gen-bursty",
-            "20 min of conversation-like lengths (lognormal fits) at a Gamma-modulated 6 req/s "
+            "10 min of conversation-like lengths (lognormal fits) at a Gamma-modulated 32 req/s "
             "(cv 0.5, a new rate each minute), half the requests continuing an earlier one",
             _generated(_bursty, shares=True),
             (2, 2),
@@ -114,16 +119,16 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload(
             "gen-diurnal",
-            "20 min of coding-like lengths (prompt p50 1.5k, output p50 13) at a rate drifting "
-            "1.5 -> 4.5 req/s, half the requests continuing an earlier one",
+            "10 min of coding-like lengths (prompt p50 1.5k, output p50 13) at a rate drifting "
+            "8 -> 24 req/s, half the requests continuing an earlier one",
             _generated(_diurnal, shares=True),
             (2, 1),
             "generated",
         ),
         Workload(
             "gen-sessions",
-            "20 min of multi-turn conversations (4 turns on average, a minute apart, prompts growing by "
-            "each output and a new message, sharing the previous turn's blocks), starts bursty and drifting",
+            "10 min of multi-turn conversations (4 turns on average, 30 s apart, prompts growing by each "
+            "output and a new message, sharing the previous turn's blocks), 6 starts/s, bursty, drifting",
             _generated(_sessions, shares=False),
             (2, 2),
             "generated",
