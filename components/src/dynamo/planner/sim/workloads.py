@@ -114,7 +114,7 @@ WORKLOADS: dict[str, Workload] = {
             "10 min of conversation-like lengths (lognormal fits) at a Gamma-modulated 32 req/s "
             "(cv 0.5, a new rate each minute), half the requests continuing an earlier one",
             _generated(_bursty, shares=True),
-            (2, 2),
+            (2, 3),
             "generated",
         ),
         Workload(
@@ -130,7 +130,7 @@ WORKLOADS: dict[str, Workload] = {
             "10 min of multi-turn conversations (4 turns on average, 30 s apart, prompts growing by each "
             "output and a new message, sharing the previous turn's blocks), 6 starts/s, bursty, drifting",
             _generated(_sessions, shares=False),
-            (2, 2),
+            (2, 3),
             "generated",
         ),
     )
