@@ -409,9 +409,9 @@ def test_the_kv_router_sends_requests_where_their_prefix_is_cached(tmp_path: Pat
 
 
 def test_a_real_trace_scenario_runs_by_name() -> None:
-    """The coding trace at 4x (15 minutes, 8,819 requests) on a static fleet: the simulator replays it in
-    seconds, with the workload's SLA and its modelled prefix sharing."""
-    s = _scenario_json("azure-code-x4", "--static", "6,2", "--prefix-share", "0.5")
+    """The coding trace at 16x (3.6 minutes, 8,819 requests) on its static fleet, 5+2: the simulator
+    replays it in seconds, with the workload's SLA and its modelled prefix sharing."""
+    s = _scenario_json("azure-code-x16", "--static", "5,2", "--prefix-share", "0.5")
     assert s["requests"] == 8819 and s["sla_ttft_ms"] == 2000.0 and s["sla_itl_ms"] == 50.0
     assert s["goodput_pct"] > 95 and s["prefix_cache_reused_pct"] > 5
     done = _cli("--scenario", "azure-chat-x1")
