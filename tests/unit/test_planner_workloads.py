@@ -143,14 +143,14 @@ def test_every_workload_is_seeded_and_heavy_tailed(tmp_path: Path) -> None:
         assert shared_share([r["hash_ids"] for r in reqs]) > 0.1, name  # shared prefixes
         ts = [float(r["timestamp"]) for r in reqs]
         assert ts == sorted(ts) and ts[-1] <= (900_000.0 if name.startswith("azure") else 600_000.0), name
+        if name == "gen-diurnal":
+            assert reqs == workload_requests(name, seed=2) != workload_requests(name, seed=3)
     x4 = workload_requests("azure-conv-x4")
     assert len(x4) == 19366 and float(x4[-1]["timestamp"]) < 900_000
-    a = write_workload("gen-bursty", tmp_path / "a.jsonl", seed=1).read_bytes()
-    assert a == write_workload("gen-bursty", tmp_path / "b.jsonl", seed=1).read_bytes()
-    assert a != write_workload("gen-bursty", tmp_path / "c.jsonl", seed=2).read_bytes()
-    assert write_workload("azure-code-x1", tmp_path / "d.jsonl", share=0.0).read_bytes() != (
-        write_workload("azure-code-x1", tmp_path / "e.jsonl").read_bytes()
-    )
+    a = write_workload("azure-code-x16", tmp_path / "a.jsonl", seed=1).read_bytes()
+    assert a == write_workload("azure-code-x16", tmp_path / "b.jsonl", seed=1).read_bytes()
+    assert a != write_workload("azure-code-x16", tmp_path / "c.jsonl", seed=2).read_bytes()
+    assert a != write_workload("azure-code-x16", tmp_path / "d.jsonl", seed=1, share=0.0).read_bytes()
     with pytest.raises(ValueError, match="unknown workload"):
         workload_requests("azure-chat-x1")
 
