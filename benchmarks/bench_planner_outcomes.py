@@ -10,7 +10,7 @@ Prints one row per (scenario, cold start, policy); ``--json`` writes every summa
 upstream run) and says how many seeds meet each target.
 
     python benchmarks/bench_planner_outcomes.py [--scenarios a,b] [--startups 0,60,180] [--no-upstream] \
-        [--jobs N] [--seeds 0,1,2]
+        [--jobs N] [--seeds 0,1,2] [--router kv]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.acceptance import check, report
 from dynamo.planner.sim.baselines import cheapest_static
-from dynamo.planner.sim.harness import SimSpec, at_startup, trace_spec
+from dynamo.planner.sim.harness import ROUTERS, SimSpec, at_startup, trace_spec
 from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, planner_row
 from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 from upstream_planner.client import available as upstream_available
@@ -63,6 +63,8 @@ def _key(trace: Path, spec: SimSpec) -> str:
         ).encode()
     )
     h.update(json.dumps(UPSTREAM_CONFIG).encode())
+    if spec.router != "round-robin":  # keys cached before the router option stay valid
+        h.update(spec.router.encode())
     return h.hexdigest()[:16]
 
 
@@ -139,6 +141,12 @@ def main() -> int:
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
     ap.add_argument("--no-upstream", action="store_true", help="skip upstream's planner")
     ap.add_argument(
+        "--router",
+        choices=list(ROUTERS),
+        default="round-robin",
+        help="the simulated router for ours and the static fleets (upstream's runs: round-robin only)",
+    )
+    ap.add_argument(
         "--jobs",
         type=int,
         default=os.cpu_count() or 1,
@@ -178,6 +186,9 @@ def main() -> int:
         print(f"--config: {exc}", file=sys.stderr)
         return 2
     upstream_reason = "--no-upstream" if args.no_upstream else upstream_available()
+    if not upstream_reason and args.router != "round-robin":
+        upstream_reason = f"--router {args.router}: upstream's replay here is round-robin only"
+
     if upstream_reason:
         print(f"upstream planner skipped: {upstream_reason}", file=sys.stderr)
     cache, cache_file = load_cache()
@@ -189,7 +200,14 @@ def main() -> int:
     # Every run of ours starts now; the loop below prints them in order as the baselines come.
     ours_runs: dict[tuple[int, str, float], Future[dict[str, Any]]] = {
         (seed, n, st): pool.submit(
-            planner_row, n, st, str(traces[(seed, n)]), mapping, args.sla_ttft_ms, args.sla_itl_ms
+            planner_row,
+            n,
+            st,
+            str(traces[(seed, n)]),
+            mapping,
+            args.sla_ttft_ms,
+            args.sla_itl_ms,
+            args.router,
         )
         for seed in seeds
         for n in names
@@ -250,7 +268,7 @@ def _report_rows(
     results: list[dict[str, Any]] = []
     for name in names:
         trace = traces[(seed, name)]
-        base = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms)
+        base = trace_spec(trace, SCENARIOS[name].initial, 0.0, args.sla_ttft_ms, args.sla_itl_ms, args.router)
         t0 = time.perf_counter()
         found = static_baseline(trace, base, cache, cache_file)
         static_gpu_h = found[1]["gpu_hours"] if found else None

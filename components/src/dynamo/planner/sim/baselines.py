@@ -1,4 +1,4 @@
-"""Static-fleet baselines: the cheapest N+N fleet that reaches a goodput target on a trace.
+"""Static-fleet baselines: the cheapest N+N, or P+D, fleet that reaches a goodput target on a trace.
 
 A static fleet's workers are ready from the start, so its outcome does not depend on the cold start.
 Goodput grows with N (more engines never slow a request here), so a doubling search then a bisection
@@ -18,6 +18,42 @@ from .harness import SimSpec, simulate
 
 def static_summary(spec: SimSpec, n: int) -> dict[str, Any]:
     return simulate(replace(spec, static=(n, n)), None)["summary"]
+
+
+def static_fleet_summary(spec: SimSpec, fleet: tuple[int, int]) -> dict[str, Any]:
+    return simulate(replace(spec, static=fleet), None)["summary"]
+
+
+def cheapest_static_pools(
+    spec: SimSpec,
+    target_pct: float = 95.0,
+    max_n: int = 128,
+    run: Callable[[SimSpec, tuple[int, int]], dict[str, Any]] = static_fleet_summary,
+    start: int = 1,
+) -> tuple[tuple[int, int], dict[str, Any]] | None:
+    """((P, D), summary) of the cheapest static P+D fleet with goodput >= ``target_pct``, each pool searched
+    on its own; None if ``max_n``+``max_n`` is not enough.
+
+    The cheapest N+N fleet bounds both pools; with prefill at that N the smallest passing D is searched,
+    then with that D the smallest passing P. A pool's need barely depends on the other pool's size once
+    both serve, but not exactly: the pair found is run and, if it misses the target, the pool whose one more
+    engine gains the most goodput grows until it passes.
+    """
+    tried: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def goodput(fleet: tuple[int, int]) -> float:
+        if fleet not in tried:
+            tried[fleet] = run(spec, fleet)
+        return float(tried[fleet]["goodput_pct"])
+
+    n = smallest_passing(lambda k: goodput((k, k)) >= target_pct, max_n, start)
+    if n is None:
+        return None
+    d = smallest_passing(lambda k: goodput((n, k)) >= target_pct, n, max(spec.initial[1], 1)) or n
+    p = smallest_passing(lambda k: goodput((k, d)) >= target_pct, n, max(spec.initial[0], 1)) or n
+    while goodput((p, d)) < target_pct:
+        p, d = max([(p + 1, d), (p, d + 1)], key=goodput)
+    return (p, d), tried[(p, d)]
 
 
 def cheapest_static(

@@ -7,25 +7,51 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import replace
 from typing import Any, TextIO
 
 from ..config import ConfigError, PlannerConfig
 from .connector import POOLS
-from .harness import SimSpec, simulate
+from .harness import ROUTERS, SimSpec, simulate
 from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg
+from .prefixes import DEFAULT_SHARE
+from .scenarios import SCENARIOS, write_trace
+from .workloads import LONG_CONTEXT, SLA_ITL_MS, SLA_TTFT_MS, WORKLOADS, write_workload
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     sp: argparse.ArgumentParser = sub.add_parser(
         "simulate", help="run the planner (or a static fleet) on Dynamo's fleet simulator"
     )
-    sp.add_argument(
+    source = sp.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--trace",
         action="append",
-        required=True,
         metavar="FILE",
         help="Mooncake JSON-lines trace (repeatable)",
+    )
+    source.add_argument(
+        "--scenario",
+        metavar="NAME",
+        help="a named scenario instead of a trace: the suite's (default engines) or a workload's "
+        "(azure-conv-x2, gen-bursty, ...: long-context engines, SLA TTFT 2 s / ITL 50 ms and its starting "
+        "fleet unless given); docs/planner-evaluation.md lists them",
+    )
+    sp.add_argument("--seed", type=int, default=0, help="--scenario: the trace's seed (default: 0)")
+    sp.add_argument(
+        "--prefix-share",
+        type=float,
+        metavar="F",
+        help=f"--scenario, a workload: the share of requests continuing an earlier one (default: "
+        f"{DEFAULT_SHARE:g})",
+    )
+    sp.add_argument(
+        "--router",
+        choices=list(ROUTERS),
+        default="round-robin",
+        help="how the simulated frontend routes requests: round-robin, or kv (Dynamo's KV-aware router, "
+        "which sends a request to the engine holding most of its prefix) (default: round-robin)",
     )
     sp.add_argument("--config", help="planner config, as `run --config` takes it (file or inline JSON/YAML)")
     sp.add_argument(
@@ -72,11 +98,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def build_spec(args: argparse.Namespace, cfg: PlannerConfig) -> SimSpec:
     durations = [check_trace(t) for t in args.trace]
+    workload = WORKLOADS.get(args.scenario or "")
+    defaults: dict[str, dict[str, Any]] = LONG_CONTEXT if workload else {"prefill": {}, "decode": {}}
     prefill = engine_args(
-        parse_json_arg(args.prefill_engine_args, "prefill-engine-args"), "prefill", args.startup_time
+        parse_json_arg(args.prefill_engine_args, "prefill-engine-args") or defaults["prefill"],
+        "prefill",
+        args.startup_time,
     )
     decode = engine_args(
-        parse_json_arg(args.decode_engine_args, "decode-engine-args"), "decode", args.startup_time
+        parse_json_arg(args.decode_engine_args, "decode-engine-args") or defaults["decode"],
+        "decode",
+        args.startup_time,
     )
     for what, v in (
         ("sla-ttft-ms", args.sla_ttft_ms),
@@ -86,20 +118,43 @@ def build_spec(args: argparse.Namespace, cfg: PlannerConfig) -> SimSpec:
         if v is not None and (v < 0 or (v == 0 and what != "startup-time")):
             raise SimInputError(f"{what}: must be {'>= 0' if what == 'startup-time' else '> 0'}, got {v:g}")
     static = parse_fleet(args.static, "static") if args.static else None
+    sla_ttft, sla_itl = (SLA_TTFT_MS, SLA_ITL_MS) if workload else (cfg.sla.ttft_ms, cfg.sla.itl_ms)
     if args.initial:
         initial = parse_fleet(args.initial, "initial")
+    elif workload:
+        initial = workload.initial
+    elif args.scenario:
+        initial = SCENARIOS[args.scenario].initial
     else:
         initial = (max(cfg.prefill.min_replicas, 1), max(cfg.decode.min_replicas, 1))
     return SimSpec(
         traces=tuple(args.trace),
         prefill_engine_args=prefill,
         decode_engine_args=decode,
-        sla_ttft_ms=args.sla_ttft_ms if args.sla_ttft_ms is not None else cfg.sla.ttft_ms,
-        sla_itl_ms=args.sla_itl_ms if args.sla_itl_ms is not None else cfg.sla.itl_ms,
+        sla_ttft_ms=args.sla_ttft_ms if args.sla_ttft_ms is not None else sla_ttft,
+        sla_itl_ms=args.sla_itl_ms if args.sla_itl_ms is not None else sla_itl,
         initial=initial,
         static=static,
         trace_duration_s=max(durations),
+        router=args.router,
     )
+
+
+def scenario_trace(args: argparse.Namespace, folder: str) -> str:
+    """``--scenario``'s trace written under ``folder``; SimInputError for an unknown name or a bad share."""
+    name = args.scenario
+    path = f"{folder}/{name}-{args.seed}.jsonl"
+    if name in WORKLOADS:
+        share = DEFAULT_SHARE if args.prefix_share is None else args.prefix_share
+        if not 0 <= share <= 1:
+            raise SimInputError(f"prefix-share: must be within [0, 1], got {share:g}")
+        return str(write_workload(name, path, args.seed, share))
+    if name in SCENARIOS:
+        if args.prefix_share is not None:
+            raise SimInputError(f"prefix-share: applies to the workloads, not the suite's {name!r}")
+        return str(write_trace(name, path, args.seed))
+    known = ", ".join([*SCENARIOS, *WORKLOADS])
+    raise SimInputError(f"scenario: unknown {name!r}; known: {known}")
 
 
 def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
@@ -111,7 +166,7 @@ def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
         )
 
     rows = [
-        f"simulated {s['duration_s']:.0f} s, {who}; startup {s['startup_time_s']:g} s, "
+        f"simulated {s['duration_s']:.0f} s, {who}, {s['router']} router; startup {s['startup_time_s']:g} s, "
         f"SLA TTFT {s['sla_ttft_ms']:g} ms / ITL {s['sla_itl_ms']:g} ms",
         f"  requests            {s['requests']} ({s['completed_requests']} completed)",
         f"  SLA goodput         {s['goodput_pct']:.1f}% ({s['goodput_requests']} requests)",
@@ -136,11 +191,18 @@ def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
 def run(args: argparse.Namespace, cfg: PlannerConfig, out: TextIO = sys.stdout) -> int:
     """Exit 0, or 2 with one line on stderr for bad input."""
     cfg = replace(cfg, json_stdout=False, tui=False, dry_run=False, use_model_cards=False)
-    try:
-        spec = build_spec(args, cfg)
-    except (SimInputError, ConfigError) as exc:
-        print(f"dynamo.planner simulate: error: {exc}", file=sys.stderr)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="dynamo-simulate-") as folder:
+        try:
+            if args.scenario:
+                args = argparse.Namespace(**{**vars(args), "trace": [scenario_trace(args, folder)]})
+            spec = build_spec(args, cfg)
+        except (SimInputError, ConfigError) as exc:
+            print(f"dynamo.planner simulate: error: {exc}", file=sys.stderr)
+            return 2
+        return _run(args, cfg, spec, out)
+
+
+def _run(args: argparse.Namespace, cfg: PlannerConfig, spec: SimSpec, out: TextIO) -> int:
     decisions = None
     if args.report:
         from pathlib import Path

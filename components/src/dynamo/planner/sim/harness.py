@@ -25,7 +25,7 @@ from ..config import PlannerConfig
 from ..decision_log import DecisionLog
 from ..loop import Planner
 from .connector import POOLS, SimCardSource, SimulatorConnector, engine_capacity
-from .inputs import check_trace, engine_args, merge_traces
+from .inputs import check_trace, engine_args, merge_traces, quiet_simulator_logs
 from .records import queue_snapshot, to_record
 from .stats import direction_flips, percentile
 from .traffic import SimArrivals, arrivals_from
@@ -43,6 +43,7 @@ class SimSpec:
     initial: tuple[int, int] = (1, 1)
     static: tuple[int, int] | None = None
     trace_duration_s: float = 0.0
+    router: str = "round-robin"  # or "kv": Dynamo's KV-aware router (ROUTERS)
 
     @property
     def startup_time_s(self) -> float:
@@ -55,6 +56,7 @@ def trace_spec(
     startup_s: float = 0.0,
     sla_ttft_ms: float = 2000.0,
     sla_itl_ms: float = 50.0,
+    router: str = "round-robin",
 ) -> SimSpec:
     """One trace on the default engine pair (``engine_args`` without overrides) at a cold start."""
     return at_startup(
@@ -66,6 +68,7 @@ def trace_spec(
             sla_itl_ms=sla_itl_ms,
             trace_duration_s=check_trace(str(trace)),
             initial=initial,
+            router=router,
         ),
         startup_s,
     )
@@ -78,6 +81,10 @@ def at_startup(spec: SimSpec, startup_s: float) -> SimSpec:
         prefill_engine_args=engine_args({}, "prefill", startup_s),
         decode_engine_args=engine_args({}, "decode", startup_s),
     )
+
+
+# ``--router`` -> the simulator's ``router_mode``.
+ROUTERS = {"round-robin": "round_robin", "kv": "kv_router"}
 
 
 @dataclass
@@ -269,6 +276,7 @@ def _replay(spec: SimSpec, fleet: tuple[int, int], policy: Any, telemetry_ms: fl
         with tempfile.TemporaryDirectory(prefix="dynamo-simulate-") as tmp:
             merged = merge_traces(list(spec.traces), Path(tmp) / "merged.jsonl")
             return _replay(replace(spec, traces=(str(merged),)), fleet, policy, telemetry_ms)
+    quiet_simulator_logs()
     from dynamo._core import run_mocker_trace_replay
 
     return run_mocker_trace_replay(
@@ -284,6 +292,7 @@ def _replay(spec: SimSpec, fleet: tuple[int, int], policy: Any, telemetry_ms: fl
         capture_telemetry=telemetry_ms is not None,
         telemetry_sample_interval_ms=telemetry_ms or 1000.0,
         trace_format="mooncake",
+        router_mode=ROUTERS[spec.router],
     )
 
 
@@ -357,6 +366,9 @@ def summarize(
         "static": list(spec.static) if spec.static is not None else None,
         "initial": list(spec.static or spec.initial),
         "startup_time_s": spec.startup_time_s,
+        "router": spec.router,
+        # The share of prompt tokens a prefill found in its engine's prefix cache.
+        "prefix_cache_reused_pct": round(100.0 * float(sim.get("prefix_cache_reused_ratio") or 0.0), 2),
         "sla_ttft_ms": spec.sla_ttft_ms,
         "sla_itl_ms": spec.sla_itl_ms,
         "requests": n,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,22 @@ from typing import Any
 # The engine pair of docs/planner-evaluation.md: 8192 blocks of 64 tokens, 64 sequences, 16k context.
 DEFAULT_ENGINE: dict[str, Any] = {"num_gpu_blocks": 8192, "max_num_seqs": 64, "max_model_len": 16384}
 DEFAULT_STARTUP_S = 60.0
+
+
+# Per-run noise at INFO: Dynamo's KV router logs one line per routed request and pool (about 40,000 for an
+# hour of the conversation trace), the mocker one per engine it starts. The runtime reads DYN_LOG once, when
+# ``dynamo._core`` is first imported.
+SIMULATOR_LOG_DIRECTIVES = (
+    "dynamo_kv_router::scheduling::selector=warn,aisimulate_core::engine::kv_manager=warn"
+)
+
+
+def quiet_simulator_logs() -> None:
+    """Before the runtime's first import: those per-request and per-engine lines at warn (a DYN_LOG with
+    directives of its own is left as it is)."""
+    level = os.environ.get("DYN_LOG") or "info"
+    if "dynamo._core" not in sys.modules and "=" not in level:
+        os.environ["DYN_LOG"] = f"{level},{SIMULATOR_LOG_DIRECTIVES}"
 
 
 class SimInputError(ValueError):
@@ -112,6 +130,7 @@ def parse_json_arg(text: str | None, what: str) -> dict[str, Any]:
 
 def engine_args(given: Mapping[str, Any], pool: str, startup_s: float | None) -> dict[str, Any]:
     """The mocker's normalized config for one pool (unknown keys rejected by the mocker itself)."""
+    quiet_simulator_logs()
     from dynamo._core import _normalize_mocker_config
 
     what = f"{pool}-engine-args"

@@ -1,4 +1,5 @@
-"""One scenario of the suite run as a row: what the outcome benchmarks print and ``acceptance.check`` judges.
+"""One scenario of the suite (or one workload) run as a row: what the outcome benchmarks print and
+``acceptance.check`` judges.
 
 A row is ``{"scenario", "startup_s", "policy", **summary}``. The benchmarks run these in worker processes, so
 the functions take plain values (a trace path, a config mapping) that pickle.
@@ -10,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import config_from_mapping
-from .baselines import static_summary
-from .harness import simulate, trace_spec
+from .baselines import cheapest_static_pools, static_summary
+from .harness import SimSpec, simulate, trace_spec
+from .inputs import check_trace, engine_args
 from .scenarios import SCENARIOS
+from .workloads import LONG_CONTEXT, SLA_ITL_MS, SLA_TTFT_MS, WORKLOADS
 
 # Fleet limits for every policy on the suite: room for the fleet scale's 32-64 engines per pool.
 SUITE_FLEET_LIMITS: dict[str, Any] = {"prefill": {"max_replicas": 64}, "decode": {"max_replicas": 64}}
@@ -25,9 +28,10 @@ def planner_row(
     config: dict[str, Any],
     sla_ttft_ms: float = 2000.0,
     sla_itl_ms: float = 50.0,
+    router: str = "round-robin",
 ) -> dict[str, Any]:
     """Our planner (``config``: a mapping, as ``--config`` takes it) on scenario ``name``'s trace."""
-    spec = trace_spec(Path(trace), SCENARIOS[name].initial, startup_s, sla_ttft_ms, sla_itl_ms)
+    spec = trace_spec(Path(trace), SCENARIOS[name].initial, startup_s, sla_ttft_ms, sla_itl_ms, router)
     summary = simulate(spec, config_from_mapping(config))["summary"]
     return {"scenario": name, "startup_s": startup_s, "policy": "ours", **summary}
 
@@ -38,3 +42,42 @@ def static_row(
     """A static N+N fleet on scenario ``name``'s trace (ready from the start: no cold start)."""
     spec = trace_spec(Path(trace), SCENARIOS[name].initial, 0.0, sla_ttft_ms, sla_itl_ms)
     return {"scenario": name, "startup_s": None, "policy": f"static {n}+{n}", **static_summary(spec, n)}
+
+
+def workload_spec(
+    trace: str | Path, initial: tuple[int, int], startup_s: float, router: str = "round-robin"
+) -> SimSpec:
+    """A workload's trace on the long-context engines at a cold start, with its SLA and router."""
+    return SimSpec(
+        traces=(str(trace),),
+        prefill_engine_args=engine_args(LONG_CONTEXT["prefill"], "prefill", startup_s),
+        decode_engine_args=engine_args(LONG_CONTEXT["decode"], "decode", startup_s),
+        sla_ttft_ms=SLA_TTFT_MS,
+        sla_itl_ms=SLA_ITL_MS,
+        initial=initial,
+        trace_duration_s=check_trace(str(trace)),
+        router=router,
+    )
+
+
+def workload_static(
+    name: str, trace: str | Path, router: str
+) -> tuple[tuple[int, int], dict[str, Any]] | None:
+    """The cheapest static P+D fleet reaching 95% on a workload's trace, each pool searched (from the
+    workload's starting fleet, which skips the slow overloaded small fleets)."""
+    initial = WORKLOADS[name].initial
+    return cheapest_static_pools(workload_spec(trace, initial, 0.0, router), start=max(initial))
+
+
+def workload_row(
+    name: str,
+    trace: str | Path,
+    router: str,
+    startup_s: float,
+    initial: tuple[int, int],
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """Our planner (``config``: a mapping, as ``--config`` takes it) on a workload from ``initial``."""
+    spec = workload_spec(trace, initial, startup_s, router)
+    summary = simulate(spec, config_from_mapping(config))["summary"]
+    return {"scenario": name, "startup_s": startup_s, "policy": "ours", **summary}

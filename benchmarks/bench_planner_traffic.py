@@ -1,0 +1,193 @@
+"""The planner on production-like traffic: the Azure 2023 traces (x1, x2, x4) and the generated families.
+
+For every workload of ``dynamo.planner.sim.workloads`` asked for and every router, it searches the cheapest
+static P+D fleet reaching 95% (each pool on its own; cached under ``.cache/``), then runs our planner from
+that fleet at each cold start and from 1+1 at 0 s. Prints one row per run: goodput, GPU-hours as a ratio to
+the static fleet's, changes of direction per pool per 30 minutes, and the issue's targets (YES/NO).
+Searches and planner runs go to ``--jobs`` worker processes; progress lines go to stderr.
+
+    python benchmarks/bench_planner_traffic.py [--workloads azure-conv-x1,...] [--routers round-robin,kv] \
+        [--startups 0,60] [--jobs N] [--config FILE] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
+from dynamo.planner.sim.harness import ROUTERS
+from dynamo.planner.sim.prefixes import DEFAULT_SHARE
+from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, workload_row, workload_spec, workload_static
+from dynamo.planner.sim.traffic_targets import judge
+from dynamo.planner.sim.workloads import WORKLOADS, write_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "bench-planner-traffic"
+# The issue's table: each trace at x1, x2 and x4 (x8 and x16 and the generated families by --workloads).
+AZURE = [f"azure-{trace}-x{speed}" for trace in ("conv", "code") for speed in (1, 2, 4)]
+HEADER = (
+    f"{'workload':<15} {'router':<11} {'from':<6} {'start':>5}  {'goodput':>8} {'GPU-h':>7} {'xstatic':>7} "
+    f"{'flips/30m P,D':>13} {'p90 TTFT':>8} {'reuse':>6}  {'goodput':>7} {'GPU-h':>5} {'flips':>5}"
+)
+
+
+def _yes(ok: bool | None) -> str:
+    return "-" if ok is None else ("YES" if ok else "NO")
+
+
+def row(name: str, router: str, start: str, cold: str, s: dict[str, Any], static_gpu_h: float | None) -> str:
+    """One printed row; the last three columns are the issue's targets for a planner run."""
+    ratio = f"{s['gpu_hours'] / static_gpu_h:.2f}" if static_gpu_h else "-"
+    ttft = "-" if s.get("p90_ttft_ms") is None else f"{s['p90_ttft_ms']:.0f}"
+    head = (
+        f"{name:<15} {router:<11} {start:<6} {cold:>5}  {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f} "
+        f"{ratio:>7} "
+    )
+    if s.get("mode") == "static":
+        return head + f"{'':>13} {ttft:>8} {s.get('prefix_cache_reused_pct', 0.0):>5.1f}%"
+    v = judge(s, float(s["startup_s"]), start == "1+1", static_gpu_h)
+    flips = f"{v.flips_per_30_min['prefill']:.1f},{v.flips_per_30_min['decode']:.1f}"
+    return head + (
+        f"{flips:>13} {ttft:>8} {s.get('prefix_cache_reused_pct', 0.0):>5.1f}%  "
+        f"{_yes(v.goodput_ok):>7} {_yes(v.gpu_hours_ok):>5} {_yes(v.flips_ok):>5}"
+    )
+
+
+def _key(trace: Path, router: str) -> str:
+    h = hashlib.sha1(trace.read_bytes())
+    spec = workload_spec(trace, (1, 1), 0.0, router)
+    h.update(json.dumps([spec.prefill_engine_args, spec.decode_engine_args, spec.sla_ttft_ms]).encode())
+    h.update(json.dumps([spec.sla_itl_ms, router]).encode())
+    return h.hexdigest()[:16]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--workloads",
+        default=",".join(AZURE),
+        help="comma-separated (default: the Azure traces at x1, x2, x4)",
+    )
+    ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated (default: round-robin,kv)")
+    ap.add_argument("--startups", default="0,60", help="cold starts in seconds (default: 0,60)")
+    ap.add_argument("--seed", type=int, default=0, help="the prefix sharing's (and generators') seed")
+    ap.add_argument("--prefix-share", type=float, default=DEFAULT_SHARE, help="requests continuing one")
+    ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel (default: cores)")
+    ap.add_argument("--json", help="write every row to this file")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    bad = [n for n in names if n not in WORKLOADS] + [r for r in routers if r not in ROUTERS]
+    if bad or args.jobs < 1:
+        print(f"unknown workload or router {bad[0]!r}" if bad else "--jobs: 1 or more", file=sys.stderr)
+        return 2
+    if not 0 <= args.prefix_share <= 1:
+        print(f"--prefix-share {args.prefix_share:g}: expected 0 to 1", file=sys.stderr)
+        return 2
+    try:
+        startups = [float(x) for x in args.startups.split(",")]
+        mapping = merge(SUITE_FLEET_LIMITS, load_config_arg(args.config))
+        config_from_mapping(mapping)  # a bad config fails here, before any simulation
+    except (ValueError, ConfigError) as exc:
+        print(f"bad argument: {exc}", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    traces = {
+        n: write_workload(
+            n, CACHE / f"{n}-{args.seed}-{args.prefix_share:g}.jsonl", args.seed, args.prefix_share
+        )
+        for n in names
+    }
+    cache_file = CACHE / "static.json"
+    cache: dict[str, Any] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+    pool = ProcessPoolExecutor(max_workers=args.jobs)
+    searches: dict[tuple[str, str], Future[Any]] = {}
+    for n in names:
+        for r in routers:
+            if _key(traces[n], r) not in cache:
+                searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r)
+    runs: dict[tuple[str, str, str, float], Future[dict[str, Any]]] = {}
+    fleets: dict[tuple[str, str], Any] = {}
+    try:
+        # Runs from 1+1 need no static fleet: they start at once; the others as each search ends.
+        for n in names:
+            for r in routers:
+                runs[(n, r, "1+1", 0.0)] = pool.submit(
+                    workload_row, n, str(traces[n]), r, 0.0, (1, 1), mapping
+                )
+        for n in names:
+            for r in routers:
+                key = _key(traces[n], r)
+                if key not in cache:
+                    t0 = time.perf_counter()
+                    found = searches[(n, r)].result()
+                    cache[key] = None if found is None else [list(found[0]), found[1]]
+                    CACHE.mkdir(parents=True, exist_ok=True)
+                    cache_file.write_text(json.dumps(cache, indent=1))
+                    print(
+                        f"  [{n} {r}: static search done, {time.perf_counter() - t0:.0f} s waited]",
+                        file=sys.stderr,
+                    )
+                fleets[(n, r)] = cache[key]
+                if cache[key] is None:
+                    continue
+                need = (int(cache[key][0][0]), int(cache[key][0][1]))
+                for st in startups:
+                    runs[(n, r, "need", st)] = pool.submit(
+                        workload_row, n, str(traces[n]), r, st, need, mapping
+                    )
+        results = _print(names, routers, startups, fleets, runs)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    print(f"\n{time.perf_counter() - t_start:.0f} s for the table, {args.jobs} jobs")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _print(
+    names: list[str],
+    routers: list[str],
+    startups: list[float],
+    fleets: dict[tuple[str, str], Any],
+    runs: dict[tuple[str, str, str, float], Future[dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    print(HEADER)
+    print(f"{'':<15} {'':<11} {'':<6} {'':>5}  {'':>8} {'':>7} {'':>7} {'':>13} {'':>8} {'':>6}  targets met")
+    results: list[dict[str, Any]] = []
+    for n in names:
+        for r in routers:
+            found = fleets[(n, r)]
+            static_gpu_h = None
+            if found is None:
+                print(f"{n:<15} {r:<11} no static fleet up to 128+128 reaches 95%")
+            else:
+                (p, d), s = found
+                static_gpu_h = float(s["gpu_hours"])
+                print(row(n, r, f"{p}+{d}", "-", s, static_gpu_h), flush=True)
+                results.append({"scenario": n, "router": r, "policy": f"static {p}+{d}", **s})
+            keys = [("need", st) for st in startups] + [("1+1", 0.0)]
+            for start, st in keys:
+                if (n, r, start, st) not in runs:
+                    continue
+                s = runs[(n, r, start, st)].result()
+                label = "need" if start == "need" else "1+1"
+                print(row(n, r, label, f"{st:g}", s, static_gpu_h), flush=True)
+                v = judge(s, st, start == "1+1", static_gpu_h)
+                results.append(
+                    {**s, "from": start, "targets_met": v.met, "gpu_hours_ratio": v.gpu_hours_ratio}
+                )
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
