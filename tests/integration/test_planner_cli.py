@@ -108,7 +108,7 @@ def test_dry_run_cli_decides_logs_and_never_acts(tmp_path: Path, nats_server: An
     rows_on = [r for r in rows if r["tick"] >= seen]
     ups = [r for r in rows_on if r["pool"] == "decode" and r["action"] == "scale_up"]
     assert ups and ups[0]["tick"] == seen and ups[0]["current"] == 1 and ups[0]["desired"] == 2
-    assert "load" in ups[0]["reason"] and ups[0]["signals"]["queued_decode_kv_tokens"] == 9000
+    assert ups[0]["code"] == "load_up" and ups[0]["signals"]["queued_decode_kv_tokens"] == 9000
     assert all(
         r["desired"] == r["current"] == 1
         for r in rows_on
@@ -202,7 +202,7 @@ def test_replay_of_a_stream_recorded_by_the_watch_cli(tmp_path: Path, nats_serve
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    assert "decode scale_up: decode load 1.15 over 1" in r.stdout, r.stdout
+    assert "decode scale_up: decode demand 1.15 engines" in r.stdout, r.stdout
     assert "prefill scale" not in r.stdout
     assert "0 unreadable lines" in r.stdout
 
@@ -373,7 +373,7 @@ def test_tui_render() -> None:
     book.ingest("prefill", PREFILL, 0.0)
     d, _ = decide(book.observe(0.1), PolicyState(), cfg)
     screen = render(d, ConnectorStatus(settled=True), book.stats, connector="virtual", tick=7)
-    assert "tick 7" in screen and "decode: decode load 1.15 over 1" in screen
+    assert "tick 7" in screen and "decode: decode demand 1.15 engines" in screen
     assert screen.count("\n") < 20
 
 

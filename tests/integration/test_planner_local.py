@@ -41,6 +41,8 @@ async def test_local_connector_in_the_loop(tmp_path: Path, nats_server: Any) -> 
         interval_s=1.0,
         idle_window_s=2.0,
         scale_down_window_s=2.0,
+        scale_down_stabilization_s=3.0,
+        demand_window_s=3.0,
         mismatch_grace_s=20.0,
         stale_after_s=3.0,
         action_timeout_s=60.0,
@@ -92,7 +94,7 @@ async def test_local_connector_in_the_loop(tmp_path: Path, nats_server: Any) -> 
         control.write_text(json.dumps(backlog))
         await _until(lambda: settled(1, 2), "decode never scaled up")
         ups = [d for d in decisions if d.decode.action == "scale_up" and d.decode.current == 1]
-        assert ups and "decode load 1.15 over 1" in ups[0].decode.reason
+        assert ups and ups[0].decode.code == "load_up", [d.decode.code for d in ups]
         assert len(connector.running("decode")) == 2
 
         # Traffic stops: decode returns to its minimum; the stopped worker drains and exits 0.

@@ -24,6 +24,12 @@ from dynamo_fpm_testing.planner_support import CAP, KV, WATCHING, config, heartb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+
+def legacy_config(**over: Any) -> PlannerConfig:
+    """The sizing before variance-aware sizing (``variance_sizing: false``): its own rules' tests."""
+    return config(variance_sizing=False, **over)
+
+
 # --------------------------------------------------------------------------------------------------
 # Single decisions.
 
@@ -93,7 +99,7 @@ def test_slow_transfer_does_not_read_as_missing_decode_capacity() -> None:
 
 def test_decode_slots_full_scales_decode_even_with_little_kv() -> None:
     """Many short requests: KV is nearly free, but every running slot (max_num_seqs) is taken."""
-    cfg = config()
+    cfg = legacy_config()
     slots = type(CAP)(context_length=1000, kv_tokens=10_000, max_num_seqs=16, source="card")
     full = rec(
         "d0", s_decode=16, s_decode_kv=900, q_decode=4, q_decode_kv=200, transfer=(0, 0), ready=(4, 200)
@@ -113,7 +119,7 @@ def test_decode_slots_full_scales_decode_even_with_little_kv() -> None:
 
 
 def test_prefill_backlog_scales_prefill_not_decode() -> None:
-    cfg = config()
+    cfg = legacy_config()
     # 8 queued 1k prompts: 0.31 s of work at the 25.6k tokens/s this engine's pass shows, over half
     # the 500 ms TTFT target, so the queue is late (a queue of a few ms of work is not).
     prefill = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=8000)]
@@ -144,7 +150,7 @@ def test_a_backlog_on_old_engines_is_not_work_for_new_ones(
 
     Counting every engine publishing as busy read it as 6 (+ the deficit) and asked for 7.
     """
-    cfg = config(prefill={"min_replicas": 1, "max_replicas": 12})
+    cfg = legacy_config(prefill={"min_replicas": 1, "max_replicas": 12})
     rate = 512 / 0.02  # tokens/s of a saturated pass: 25.6k
     state = PolicyState(
         prefill=PoolState(trend=((0.0, 2.0 * old_queue),), engine_rate=rate, prefill_engines=then)
@@ -199,7 +205,7 @@ def test_capacity_unknown_holds_with_reason() -> None:
 
 
 def test_replicas_not_publishing_hold_then_count_against_scale_down() -> None:
-    cfg = config()
+    cfg = legacy_config()
     low = [rec("d0", s_decode=1, s_decode_kv=100)]
     state = PolicyState()
     d, state = decide(obs(0.0, [heartbeat("p0")], low, decode_replicas=2), state, cfg)
@@ -242,7 +248,7 @@ def test_below_minimum_steps_up() -> None:
 
 def test_consolidation_removes_all_ranks_of_a_worker() -> None:
     """Two workers with two dp ranks each: removing a worker removes two engines."""
-    cfg = config(scale_down_window_s=0.0)
+    cfg = legacy_config(scale_down_window_s=0.0)
     # Four engines at 0.35: spread over the two engines left after removing a worker -> 0.7 < 0.8.
     low = [rec(f"d{w}", dp_rank=r, s_decode=1, s_decode_kv=3500) for w in range(2) for r in range(2)]
     d, _ = decide(obs(0.0, [heartbeat("p0")], low), WATCHING, cfg)
@@ -445,7 +451,7 @@ def run(sim: Sim, ticks: int, load: Callable[[int], tuple[float, float]]) -> Sim
 
 
 def test_zero_traffic_returns_both_pools_to_minimum() -> None:
-    sim = run(Sim(config(), prefill=4, decode=4), 40, lambda i: (0.0, 0.0))
+    sim = run(Sim(legacy_config(), prefill=4, decode=4), 40, lambda i: (0.0, 0.0))
     assert (sim.prefill, sim.decode) == (1, 1)
     assert all(d.prefill.desired >= 1 and d.decode.desired >= 1 for d in sim.history)
     # One step per pool per interval.
@@ -454,7 +460,7 @@ def test_zero_traffic_returns_both_pools_to_minimum() -> None:
 
 def test_oscillation_bait_two_to_one() -> None:
     """Two decode engines at 0.55 each: below the 0.6 down threshold, but one engine would be at 1.1."""
-    sim = run(Sim(config(), prefill=1, decode=2), 40, lambda i: (0.05, 1.1))
+    sim = run(Sim(legacy_config(), prefill=1, decode=2), 40, lambda i: (0.05, 1.1))
     assert sim.decode == 2
     assert all(d.decode.action == "hold" for d in sim.history), [d.decode.reason for d in sim.history]
     assert "would be 1.10" in sim.history[-1].decode.reason
@@ -603,7 +609,7 @@ def test_one_decision_adds_what_the_load_needs() -> None:
 
 def test_starting_replicas_are_capacity_to_come() -> None:
     """Asked for 4; three still starting: the same load asks for nothing more, a bigger one does."""
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    cfg = legacy_config(decode={"min_replicas": 1, "max_replicas": 8})
     decode = [rec("d0", s_decode=8, s_decode_kv=int(3.4 * KV))]
     _, state = decide(obs(0.0, [heartbeat("p0")], decode), PolicyState(), cfg)
     # The connector runs 4 (3 starting, not publishing yet): no mismatch hold, no second ask.
@@ -666,7 +672,9 @@ def test_startup_is_timed_for_the_ask_not_for_a_replica_already_starting() -> No
 def test_a_steady_rise_under_the_down_threshold_holds_the_scale_down() -> None:
     """A wave's upswing from its trough: the load is low and the straight-line projection still fits
     fewer replicas, but it rises consistently: no replica is released (slow wave: 80.7% -> 90%)."""
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=20.0, trend_window_s=40.0)
+    cfg = legacy_config(
+        decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=20.0, trend_window_s=40.0
+    )
     state = PolicyState()
     actions = []
     for i, t in enumerate(range(0, 45, 5)):
@@ -681,7 +689,9 @@ def test_a_steady_rise_under_the_down_threshold_holds_the_scale_down() -> None:
 
 
 def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=10.0, trend_window_s=60.0)
+    cfg = legacy_config(
+        decode={"min_replicas": 1, "max_replicas": 8}, scale_down_window_s=10.0, trend_window_s=60.0
+    )
     state = PolicyState()
     # Demand rises steadily on 3 engines (0.1 -> 0.5 each): below ``down`` but coming back.
     for i, t in enumerate(range(0, 30, 5)):
@@ -703,7 +713,9 @@ def test_a_rising_trend_holds_the_scale_down_and_sizes_ahead() -> None:
 
 def _saturated_engine_with_a_growing_queue(trend: str) -> tuple[int | None, float | None]:
     """(replicas needed, demand) after 7 looks at one full engine whose queue grows at a constant rate."""
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0, decode_trend=trend)
+    cfg = legacy_config(
+        decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0, decode_trend=trend
+    )
     state = PolicyState()
     for i, t in enumerate(range(0, 35, 5)):
         decode = [
@@ -736,7 +748,7 @@ def test_decode_trend_late_landing_and_decode_follows_prefill_are_validated() ->
 
 
 def test_scale_down_stabilization_remembers_what_was_needed() -> None:
-    cfg = config(
+    cfg = legacy_config(
         decode={"min_replicas": 1, "max_replicas": 8},
         scale_down_window_s=0.0,
         scale_down_stabilization_s=60.0,
@@ -753,7 +765,7 @@ def test_scale_down_stabilization_remembers_what_was_needed() -> None:
 
 def _burst_shorter_than_the_startup(delay: int, after: float, **over: Any) -> Sim:
     """One look at a load that needs 4 decode replicas, then ``after`` engines' worth while they start."""
-    cfg = config(
+    cfg = legacy_config(
         decode={"min_replicas": 1, "max_replicas": 8},
         scale_down_window_s=10.0,
         scale_down_stabilization_s=600.0,
@@ -839,7 +851,7 @@ def test_a_publishing_replica_is_never_counted_as_starting() -> None:
 def test_a_consistent_rise_of_a_tiny_load_does_not_scale_ahead() -> None:
     """The demo's warm-up: a few requests rising steadily (0.02 -> 0.12 of one engine) must not read as
     a ramp worth a replica; the same rise on a real share of the pool does (docs/planner.md, Sizing)."""
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
+    cfg = legacy_config(decode={"min_replicas": 1, "max_replicas": 8}, expected_startup_s=60.0)
 
     def rise(start: float, step: float) -> list[Decision]:
         state, out = PolicyState(), []
@@ -860,7 +872,7 @@ def test_a_consistent_rise_of_a_tiny_load_does_not_scale_ahead() -> None:
 def _decode_light_while_prefill_grows(**over: Any) -> Sim:
     """Decode has wanted down for a while (0.4 engines on 4 replicas); then prompts flood prefill, whose
     scale-up takes 6 ticks to land, and decode's light load stays as it was."""
-    cfg = config(scale_down_window_s=10.0, scale_down_stabilization_s=0.0, **over)
+    cfg = legacy_config(scale_down_window_s=10.0, scale_down_stabilization_s=0.0, **over)
     sim = Sim(cfg, prefill=1, decode=4, delay=6)
     run(sim, 1, lambda i: (0.05, 0.4))  # decode starts wanting down
     run(sim, 16, lambda i: (3.0, 0.4))  # prefill steps up to its maximum, then its replicas start
@@ -907,7 +919,7 @@ def test_decode_above_its_maximum_steps_down_while_prefill_scales_up() -> None:
 def test_a_backlog_on_one_engine_that_the_pool_carries_is_not_called_within_thresholds() -> None:
     """The idle gap at 60 s cold start: the first engine's backlog (load 3.5) stays on it under round-robin
     routing while 6 replicas carry the pool's demand; the log said "load 3.50 within [0.6, 1]"."""
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 8})
+    cfg = legacy_config(decode={"min_replicas": 1, "max_replicas": 8})
     backlog = rec("d0", s_decode=8, s_decode_kv=KV, q_decode=20, q_decode_kv=int(2.5 * KV))
     light = [rec(f"d{i}", s_decode=1, s_decode_kv=int(0.1 * KV)) for i in range(1, 6)]
     d, _ = decide(obs(0.0, [rec("p0")], [backlog, *light]), PolicyState(), cfg)
@@ -968,7 +980,7 @@ def test_a_prefill_pool_busy_without_a_queue_is_consolidated_only_if_the_rest_ca
     """Steady traffic that keeps two prefill engines busy leaves no queue: its load reads 0. Measured on a
     steady 8 req/s of 8,000-token prompts (docs/planner-evaluation.md): trimmed to one engine, then asked
     back, every 300 s; with the frontend's arrivals it holds."""
-    cfg = config()
+    cfg = legacy_config()
     last, history = _prefill_without_a_queue(cfg, Arrivals(tokens_s / 1000, 1000.0, 5.0))
     assert history[-1].prefill.signals.arrival_engines == pytest.approx(tokens_s * TOKEN_S, abs=1e-3)
     assert [d.prefill.action for d in history][-1] == action, last.prefill.reason
@@ -976,7 +988,10 @@ def test_a_prefill_pool_busy_without_a_queue_is_consolidated_only_if_the_rest_ca
         assert all(d.prefill.action == "hold" for d in history)
         assert "the arrivals keep 0.90 engines busy: on 1 engines 0.90 each >= 0.8" in last.prefill.reason
     # Without a source (or with it switched off), today's rule: no queue, consolidated.
-    for cfg_, arrivals in ((cfg, None), (config(use_arrivals=False), Arrivals(tokens_s / 1000, 1000.0, 5.0))):
+    for cfg_, arrivals in (
+        (cfg, None),
+        (legacy_config(use_arrivals=False), Arrivals(tokens_s / 1000, 1000.0, 5.0)),
+    ):
         last, _ = _prefill_without_a_queue(cfg_, arrivals)
         assert last.prefill.action == "scale_down", last.prefill.reason
         assert last.prefill.signals.arrival_engines is None
@@ -1003,7 +1018,7 @@ def test_a_new_short_queue_scales_prefill_only_at_a_second_look() -> None:
     The engine's passes show 25,600 tokens/s; the TTFT target is 500 ms. A 0.2 s queue the last
     decision did not see holds (and records no need); still there and growing at the next, it scales.
     A queue already over half the target scales at once, and so does any queue with the rule off."""
-    cfg = config()
+    cfg = legacy_config()
     decode = [rec("d0", s_decode=4, s_decode_kv=int(0.7 * KV))]
     calm = [rec("p0", s_prefill=1, s_prefill_tokens=500)]
     burst = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=4, q_prefill_tokens=5000)]
@@ -1020,7 +1035,7 @@ def test_a_new_short_queue_scales_prefill_only_at_a_second_look() -> None:
     late = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=16_000)]
     at_once, _ = decide(obs(5.0, late, decode), decide(obs(0.0, calm, decode), WATCHING, cfg)[1], cfg)
     assert at_once.prefill.action == "scale_up", at_once.prefill.reason  # 0.63 s > 0.25 s
-    off = config(prefill_second_look=False)
+    off = legacy_config(prefill_second_look=False)
     _, state = decide(obs(0.0, calm, decode), WATCHING, off)
     d, _ = decide(obs(5.0, burst, decode), state, off)
     assert d.prefill.action == "scale_up", d.prefill.reason
@@ -1029,7 +1044,7 @@ def test_a_new_short_queue_scales_prefill_only_at_a_second_look() -> None:
 def _decode_rise(per_engine: list[int], **over: Any) -> list[Decision]:
     """Two decode engines whose running requests go through ``per_engine`` (one look per 5 s), with the
     frontend's 4 req/s (requests that live about 13-25 s): the decisions."""
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 8}, trend_window_s=40.0, **over)
+    cfg = legacy_config(decode={"min_replicas": 1, "max_replicas": 8}, trend_window_s=40.0, **over)
     state, out = PolicyState(), []
     for i, n in enumerate(per_engine):
         decode = [rec(f"d{k}", s_decode=n, s_decode_kv=n * 10) for k in range(2)]
@@ -1068,7 +1083,7 @@ def test_trend_noise_z_is_validated() -> None:
 def _saturated_engine_filling(rates: list[float], **over: Any) -> Decision:
     """One decode engine, slots full from the first look, its queue growing by 14 requests per 5 s
     (2.8 req/s) while the frontend admits ``rates`` (one look per 5 s): the last decision."""
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0, **over)
+    cfg = legacy_config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0, **over)
     state = PolicyState()
     for i, rate in enumerate(rates):
         decode = [rec("d0", s_decode=64, s_decode_kv=KV // 2, q_decode=14 * i, q_decode_kv=100 * i)]
@@ -1091,7 +1106,7 @@ def test_a_saturated_pool_is_projected_no_further_than_its_arrivals_need() -> No
     assert off.sizing is not None and off.sizing.needed is not None and off.sizing.needed >= 6
     assert off.signals.throughput_bound is None
     # Without arrivals the bound cannot be told: the trend sizes alone.
-    cfg = config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0)
+    cfg = legacy_config(decode={"min_replicas": 1, "max_replicas": 16}, trend_window_s=40.0)
     state = PolicyState()
     for i in range(5):
         decode = [rec("d0", s_decode=64, s_decode_kv=KV // 2, q_decode=14 * i, q_decode_kv=100 * i)]
@@ -1128,7 +1143,7 @@ def test_throughput_cap_is_validated() -> None:
 def _prefill_after_a_drained_backlog(**over: Any) -> list[Decision]:
     """A late queue on one prefill engine (1 engine of arrivals, plus its drain: 2 replicas), then two
     engines busy without a queue for 40 s: the prefill decisions."""
-    cfg = config(scale_down_stabilization_s=300.0, **over)
+    cfg = legacy_config(scale_down_stabilization_s=300.0, **over)
     decode = [rec("d0", s_decode=4, s_decode_kv=3000)]
     late = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=8000)]
     d, state = decide(obs(0.0, late, decode), PolicyState(), cfg)
@@ -1174,3 +1189,117 @@ def test_a_scale_down_that_reached_its_target_does_not_hold_a_scale_up() -> None
     two = [*busy, rec("d1", s_decode=64, s_decode_kv=KV // 2, q_decode=20, q_decode_kv=1000)]
     d, _ = decide(obs(10.0, [rec("p0")], two, settled=False), state, config())
     assert d.decode.action == "hold" and "waiting for action 2->1" in d.decode.reason, d.decode.reason
+
+
+# --------------------------------------------------------------------------------------------------
+# Variance-aware sizing (the default): the mean of the recent demand plus a multiple of its spread.
+
+RULE_CODES = {
+    "in_flight_abandoned",
+    "in_flight_down_wait",
+    "bounds_min",
+    "bounds_max",
+    "mismatch_grace",
+    "idle_silent_busy",
+    "idle_at_min",
+    "idle_scale_up_starting",
+    "idle_step_down",
+    "idle_wait",
+    "load_up_at_max",
+    "load_up_carried",
+    "load_up",
+    "load_up_starting",
+    "load_stabilized",
+    "load_silent_busy",
+    "load_at_min",
+    "load_needed",
+    "load_down",
+    "load_down_wait",
+    "load_steady",
+    "sizing_hold",
+    "interval_guard",
+    "decode_follows_prefill",
+    "gpu_budget_cut",
+    "gpu_budget_wait",
+    "gpu_budget_rebalance",
+}
+
+
+def _codes(sim: Sim, pool: str) -> list[str]:
+    return [d.pool(pool).code for d in sim.history]  # type: ignore[arg-type]
+
+
+def test_a_noisy_decode_load_is_sized_for_its_spread_and_never_shrunk_into_the_next_spike() -> None:
+    """Demand swinging 0.3 <-> 1.7 engines around a mean of 1: the pool keeps the 2 replicas that carry
+    its highest samples (mean + 2 spreads, 2.4, is above them) for the whole run, a spike's worth of
+    headroom that a consolidation check on one tick's load does not keep."""
+    swing = lambda i: (0.05, 1.7 if i % 2 else 0.3)  # noqa: E731
+    sim = run(Sim(config(), prefill=1, decode=2), 120, swing)
+    assert sim.decode == 2 and all(d.decode.action == "hold" for d in sim.history), _codes(sim, "decode")
+    last = sim.history[-1].decode
+    assert last.code == "load_steady", last.reason
+    assert last.signals.demand_mean == pytest.approx(1.0, abs=0.1)
+    assert last.signals.demand_spread == pytest.approx(0.7, abs=0.1)
+
+
+def test_the_headroom_follows_the_demands_spread() -> None:
+    """The same mean demand: steady, one replica carries it; swinging, two are sized."""
+    steady = run(Sim(config(), prefill=1, decode=1), 20, lambda i: (0.05, 0.7))
+    assert steady.decode == 1 and steady.history[-1].decode.code == "load_steady"
+    swinging = run(Sim(config(), prefill=1, decode=1), 20, lambda i: (0.05, 1.1 if i % 2 else 0.3))
+    assert swinging.decode == 2
+    assert "load_up" in _codes(swinging, "decode")
+
+
+def test_a_scale_down_goes_no_lower_than_the_windows_highest_recommendation() -> None:
+    """The HPA's stabilization over every tick's recommendation: 3 replicas needed, then a light load holds
+    them for the window, then the pool steps down."""
+    cfg = config(scale_down_window_s=0.0, scale_down_stabilization_s=120.0)
+    sim = run(Sim(cfg, prefill=1, decode=1, state=WATCHING), 3, lambda i: (0.05, 2.5))
+    assert sim.decode == 3
+    run(sim, 16, lambda i: (0.05, 0.3))  # 80 s of light load: past the demand window, within 120 s
+    assert sim.decode == 3 and sim.history[-1].decode.code == "load_stabilized"
+    run(sim, 24, lambda i: (0.05, 0.3))
+    assert sim.decode < 3 and "load_down" in _codes(sim, "decode")
+
+
+def test_bursty_traffic_between_bursts_is_not_idle() -> None:
+    """Twenty-five seconds of nothing, then a burst, again and again: the pool does not step down between
+    bursts (the legacy idle rule did, then scaled back up at the next burst)."""
+    bursts = lambda i: (0.05, 1.8 if i % 6 == 5 else 0.0)  # noqa: E731
+    sim = run(Sim(config(), prefill=1, decode=2), 144, bursts)
+    assert sim.decode == 2 and all(d.decode.action == "hold" for d in sim.history), _codes(sim, "decode")
+    legacy = run(Sim(legacy_config(), prefill=1, decode=2), 144, bursts)
+    assert [d.decode.code for d in legacy.history if d.decode.action != "hold"][:1] == ["idle_step_down"]
+
+
+def test_a_step_up_in_demand_is_answered_at_once() -> None:
+    sim = run(Sim(config(), prefill=1, decode=1, state=WATCHING), 12, lambda i: (0.05, 0.5))
+    d = sim.tick(0.05, 3.0)
+    assert d.decode.code == "load_up" and d.decode.desired >= 3, d.decode.reason
+
+
+def test_every_decision_carries_the_code_of_the_rule_that_made_it() -> None:
+    load = [(0.05, x) for x in (0.2, 2.5, 2.5, 0.1, 0.1, 0.0, 3.5, 0.4)] * 12
+    for cfg in (config(), legacy_config(), config(gpu_budget=4)):
+        sim = run(Sim(cfg, prefill=1, decode=1), len(load), lambda i: load[i])
+        codes = set(_codes(sim, "decode")) | set(_codes(sim, "prefill"))
+        assert codes <= RULE_CODES, codes - RULE_CODES
+
+
+def test_upstreams_decode_scale_up_kv_rate_sizes_the_decode_pool() -> None:
+    """Upstream's ``decode_scale_up_kv_rate`` maps to ``thresholds.decode_up``, the load the demand's level
+    is sized for: the same demand on engines allowed 50% asks for more replicas than at 100%."""
+    from dynamo.planner.upstream import translate
+
+    def sized(rate: int) -> int:
+        upstream = {
+            "optimization_target": "load",
+            "decode_scale_up_kv_rate": rate,
+            "decode_scale_down_kv_rate": 20,
+        }
+        data = translate(upstream).data
+        cfg = config(target=data["target"], thresholds=data["thresholds"])
+        return run(Sim(cfg, prefill=1, decode=1), 12, lambda i: (0.05, 1.5)).decode
+
+    assert (sized(100), sized(50)) == (2, 3)

@@ -132,6 +132,14 @@ class VirtualConfig:
 
 
 @dataclass(frozen=True)
+class ForecastConfig:
+    """Scaling ahead of today's demand from its trend (docs/planner.md, "Forecast")."""
+
+    # Off: each pool is sized for its recent demand and its spread only.
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
 class PlannerConfig:
     """All planner options; see docs/planner.md."""
 
@@ -198,6 +206,12 @@ class PlannerConfig:
     frontend_model: str | None = None
     # Startup assumed until measured (seconds from a scale-up to the new replica's first record).
     expected_startup_s: float = 60.0
+    # Variance-aware sizing (docs/planner.md, "Sizing"): each pool is sized for the mean of its demand over
+    # this window plus ``headroom_sigmas`` standard deviations of it, at the engines' ``up`` load.
+    variance_sizing: bool = True
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    demand_window_s: float = 60.0
+    headroom_sigmas: float = 2.0
     # Decode: an engine's queue counts towards demand up to this many times what it holds.
     decode_queue_weight: float = 1.0
     # Prefill: a queue the previous decision did not see scales the pool up only if it is still there at
@@ -334,6 +348,8 @@ def _check(cfg: PlannerConfig) -> None:
     positive("trend_window_s", cfg.trend_window_s, allow_zero=True)
     positive("scale_down_stabilization_s", cfg.scale_down_stabilization_s, allow_zero=True)
     positive("projection_cap", cfg.projection_cap, allow_zero=True)
+    positive("demand_window_s", cfg.demand_window_s)
+    positive("headroom_sigmas", cfg.headroom_sigmas, allow_zero=True)
     positive("trend_noise_z", cfg.trend_noise_z, allow_zero=True)
     positive("throughput_cap", cfg.throughput_cap, allow_zero=True)
     if cfg.late_landing_s is not None:

@@ -1,9 +1,9 @@
 """Every decision, holds included, as JSON lines: one object per pool per tick.
 
 Fields: ``time`` (UTC ISO-8601), ``ts`` (epoch seconds), ``tick``, ``pool``, ``current``,
-``desired``, ``action`` (scale_up | scale_down | hold), ``reason``, ``signals`` (what the rule used),
-``applied`` (sent to the connector), ``dry_run``. :func:`read_entry` / :func:`parse_entry` read a line back
-(the demo reads the log through them).
+``desired``, ``action`` (scale_up | scale_down | hold), ``code`` (the rule that made it), ``reason``,
+``signals`` (what the rule used), ``applied`` (sent to the connector), ``dry_run``. :func:`read_entry` /
+:func:`parse_entry` read a line back (the demo reads the log through them).
 
 Size limit: a line is at most ``MAX_LINE_CHARS`` (16,384) characters. A longer one has its reason cut to
 ``MAX_REASON_CHARS`` and every string in ``signals`` to ``MAX_SIGNAL_STR_CHARS`` (the cuts end in
@@ -90,6 +90,7 @@ def entry(pd: PoolDecision, *, ts: float, tick: int, applied: bool, dry_run: boo
         "current": pd.current,
         "desired": pd.desired,
         "action": pd.action,
+        "code": pd.code,
         "reason": pd.reason,
         "signals": _clean(pd.signals.as_dict()),
         "applied": applied,
@@ -116,6 +117,7 @@ class DecisionEntry:
     desired: int
     reason: str = ""
     action: str = "hold"
+    code: str = ""
     tick: int = 0
     applied: bool = False
     dry_run: bool = False
@@ -152,6 +154,7 @@ def parse_entry(obj: Mapping[str, Any]) -> DecisionEntry | None:
         desired=desired,
         reason=str(obj.get("reason", "")),
         action=str(obj.get("action", "hold")),
+        code=str(obj.get("code", "")),
         tick=_int(obj.get("tick")) or 0,
         applied=obj.get("applied") is True,
         dry_run=obj.get("dry_run") is True,

@@ -300,12 +300,12 @@ RULES: dict[str, Rule] = {
     ),
     "decode_scale_up_kv_rate": Rule(
         "thresholds.decode_up",
-        "percent -> fraction",
+        "percent -> fraction: the load the decode demand's level is sized for",
         _percent("decode_scale_up_kv_rate", "thresholds.decode_up"),
     ),
     "decode_scale_down_kv_rate": Rule(
         "thresholds.decode_down",
-        "percent -> fraction",
+        "percent -> fraction; read by the previous sizing only (variance_sizing: false)",
         _percent("decode_scale_down_kv_rate", "thresholds.decode_down"),
     ),
     "prefill_scale_up_queue_tokens": Rule(

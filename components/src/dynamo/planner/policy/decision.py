@@ -46,6 +46,8 @@ class Signals:
     projected: float | None = None
     slope: float | None = None
     trend_r2: float | None = None
+    demand_mean: float | None = None  # the demand window's mean, engines at full load
+    demand_spread: float | None = None  # its standard deviation
     # Decode.
     decode_kv_tokens: int | None = None
     queued_decode_kv_tokens: int | None = None
@@ -129,6 +131,8 @@ class PoolDecision:
     engines: int = 0
     sizing: Sizing | None = None
     signals: Signals = Signals()  # everything above and more, for the log
+    # The rule that made the decision (``rules`` and ``fleet``): stable names for tests and dashboards.
+    code: str = ""
 
     @property
     def load_max(self) -> float | None:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from .decision import Signals, Sizing
 from .demand import decode_demand, decode_load
+from .robust import robust_verdict
 from .state import PoolState
 from .trend import span, trend_fit, trend_slope, within_window
 from .verdict import verdict
@@ -75,6 +76,22 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         completed, limit = throughput
         sig = replace(sig, completed_per_s=round(completed, 4), throughput_bound=round(limit, 4))
         projected = min(projected, max(limit, demand))
+    if cfg.variance_sizing:
+        # The forecast's growth (``robust_verdict`` says when it counts).
+        growth = projected - demand if cfg.forecast.enabled else 0.0
+        view = replace(view, state=st)
+        return robust_verdict(
+            view,
+            now,
+            loads,
+            demand,
+            up,
+            sig,
+            target=target,
+            growth=growth,
+            sustained=sustained,
+            rising=rising,
+        )
     return verdict(view, loads, demand, projected, slope, up, down, target, sig, sustained, rising=rising), st
 
 

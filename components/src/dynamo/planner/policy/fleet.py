@@ -16,7 +16,7 @@ def _fits_consolidated(d: Draft, cfg: PlannerConfig) -> bool:
         return False
     if s.want in ("idle", "down"):
         return d.pool.workers >= d.pool.replicas
-    if s.want != "steady" or s.consolidated is None:
+    if s.want != "steady" or s.consolidated is None or cfg.variance_sizing:
         return False
     th = cfg.effective_thresholds()
     up = th.prefill_up if d.name == "prefill" else th.decode_up
@@ -38,7 +38,7 @@ def apply_interval_guard(
             and now - last < cfg.interval_s * 0.5
         ):
             d.reason += f"; last step {now - last:.1f}s ago (< interval {cfg.interval_s:g}s)"
-            d.desired, d.action = d.replicas, "hold"
+            d.desired, d.action, d.code = d.replicas, "hold", "interval_guard"
 
 
 def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
@@ -63,7 +63,7 @@ def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConf
         return
     if dec.action != "scale_down" or dec.sizing is None or dec.sizing.want not in ("down", "idle"):
         return
-    dec.desired, dec.action = dec.pool.replicas, "hold"
+    dec.desired, dec.action, dec.code = dec.pool.replicas, "hold", "decode_follows_prefill"
     dec.reason += f"; held: prefill is scaling up to {to} (decode work follows)"
     dec.signals = replace(dec.signals, prefill_rising_to=to)
     dec.st = replace(dec.st, down_since=None, idle_since=None)
@@ -103,18 +103,18 @@ def apply_budget(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
         free = budget - _held(o) * cfg.pool(o.name).gpus_per_replica
         fits = free // gpr if gpr else want
         if fits > base:
-            d.desired = min(want, fits)
+            d.desired, d.code = min(want, fits), "gpu_budget_cut"
             d.reason += f"; cut to {d.desired} by the GPU budget {budget}"
             after = d.desired * gpr + _held(o) * cfg.pool(o.name).gpus_per_replica
             d.signals = replace(d.signals, gpus_after=after)
             continue
-        d.desired, d.action = d.replicas, "hold"
+        d.desired, d.action, d.code = d.replicas, "hold", "gpu_budget_wait"
         if o.action == "scale_down" or o.desired < o.pool.replicas:
             d.reason += (
                 f"; GPU budget {budget} would be exceeded ({used}); waiting for {o.name} to scale down"
             )
         elif o.action == "hold" and _fits_consolidated(o, cfg):
-            o.desired, o.action = o.pool.replicas - 1, "scale_down"
+            o.desired, o.action, o.code = o.pool.replicas - 1, "scale_down", "gpu_budget_rebalance"
             o.reason = (
                 f"rebalance: releasing one {o.name} replica so {d.name} can go to {want} "
                 f"within the GPU budget {budget} ({o.reason})"

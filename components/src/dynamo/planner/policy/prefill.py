@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .decision import Signals, Sizing
+from .robust import robust_verdict
 from .state import PoolState
 from .trend import trend_slope
 from .verdict import verdict
@@ -74,6 +75,8 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     busy = arrival_engines(view, rate)
     if busy is not None:
         sig = replace(sig, arrival_engines=round(busy, 3))
+    if cfg.variance_sizing:
+        return _robust_prefill(view, st, now, loads, queued, rate, slope, busy, up, target, sig)
     if rate is None or rate <= 0 or saturated == 0:
         return verdict(view, loads, None, None, slope, up, down, target, sig, busy=busy), st
     deficit = max(slope, 0.0) / rate
@@ -127,3 +130,43 @@ def _prefill_arrivals(engines_then: int, saturated_then: int, saturated: int, qu
     else:
         arrivals = engines_then * (1.0 + queue_slope / saturated_then)
     return max(arrivals, float(saturated))
+
+
+def _robust_prefill(
+    view: PoolView,
+    st: PoolState,
+    now: float,
+    loads: list[float],
+    queued: list[float],
+    rate: float | None,
+    slope: float,
+    busy: float | None,
+    up: float,
+    target: float,
+    sig: Signals,
+) -> tuple[Sizing, PoolState]:
+    """Prefill demand for the variance-aware sizing: the work the arrivals bring, in engines.
+
+    With an arrival source, the frontend's prompt tokens per second at the pool's measured cost per token
+    (``arrival_engines``); without one, the engines saturated plus the queue's growth in engines (what the
+    queue's change shows); before any rate is measured, the queue over the context length (upstream's load).
+    A backlog is drained in ``prefill_drain_s`` on top, outside the samples: it ends.
+    """
+    cfg = view.cfg
+    backlog = sum(queued)
+    saturated = sum(1 for ld in loads if ld >= up)
+    if busy is not None:
+        demand = busy
+    elif rate is not None and rate > 0:
+        demand = float(saturated) + max(slope, 0.0) / rate
+    else:
+        demand = sum(loads)
+    drain = 0.0
+    late = False
+    if rate is not None and rate > 0 and backlog > 0:
+        drain = backlog / (rate * cfg.prefill_drain_s)
+        wait_s = max(queued) / rate
+        sig = replace(sig, queue_wait_s=round(wait_s, 3), drain_engines=round(drain, 3))
+        late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
+    view = replace(view, state=st)
+    return robust_verdict(view, now, loads, demand, up, sig, drain, "to drain the queue", late, target)

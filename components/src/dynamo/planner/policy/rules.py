@@ -27,8 +27,10 @@ class Draft:
     signals: Signals
     sizing: Sizing | None = None
     done: bool = False
+    # The rule that made the decision (``PoolDecision.code``: what tests and dashboards match, not the prose).
+    code: str = ""
 
-    def decide(self, desired: int, reason: str, st: PoolState | None = None) -> Draft:
+    def decide(self, desired: int, reason: str, st: PoolState | None = None, *, code: str) -> Draft:
         self.desired = desired
         self.action = (
             "scale_up"
@@ -38,13 +40,16 @@ class Draft:
             else "hold"
         )
         self.reason = reason
+        self.code = code
         if st is not None:
             self.st = st
         self.done = True
         return self
 
-    def hold(self, reason: str, st: PoolState | None = None, desired: int | None = None) -> Draft:
-        self.decide(self.pool.replicas, reason, st)
+    def hold(
+        self, reason: str, st: PoolState | None = None, desired: int | None = None, *, code: str
+    ) -> Draft:
+        self.decide(self.pool.replicas, reason, st, code=code)
         if desired is not None:
             self.desired = desired  # the pending target: the planner still wants it (logs, metrics)
         return self
@@ -101,7 +106,7 @@ def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
             down_since=None,
             startup_probe=None,
         )
-        d.decide(running, reason, st)
+        d.decide(running, reason, st, code="in_flight_abandoned")
         return
     left = cfg.action_timeout_s - (now - fl.since)
     state = "settled" if obs.settled else "connector busy"
@@ -110,6 +115,7 @@ def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
             f"waiting for action {fl.previous}->{fl.target} ({pool.workers} publishing, {state}; "
             f"gives up in {left:.0f}s)",
             desired=fl.target,
+            code="in_flight_down_wait",
         )
         return
     # A scale-up in flight: size on top of it (never below what was asked for).
@@ -125,11 +131,12 @@ def rule_bounds(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
     pc = cfg.pool(d.name)
     cur = d.pool.replicas
     if d.replicas < pc.min_replicas:
-        d.decide(pc.min_replicas, f"{cur} replicas, below min_replicas {pc.min_replicas}")
+        d.decide(pc.min_replicas, f"{cur} replicas, below min_replicas {pc.min_replicas}", code="bounds_min")
     elif cur > pc.max_replicas:
         d.decide(
             max(cur - cfg.scale_down_step, pc.max_replicas),
             f"{cur} replicas, above max_replicas {pc.max_replicas}",
+            code="bounds_max",
         )
 
 
@@ -161,6 +168,7 @@ def rule_mismatch(d: Draft, obs: Observation, cfg: PlannerConfig) -> int:
             f"{pool.replicas} replicas but {pool.workers} workers publishing ({abs(missing)} {what}); "
             f"holding, {cfg.mismatch_grace_s - waited:.0f}s of grace left",
             replace(d.st, down_since=None, idle_since=None),
+            code="mismatch_grace",
         )
     return missing
 
@@ -177,7 +185,7 @@ def rule_late_landing(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
     records cannot say how close to saturation it is; threshold targets only (``sla`` sizes no demand).
     """
     landed = d.st.landed
-    if landed is None:
+    if landed is None or cfg.variance_sizing:
         return
     at, before = landed
     s = d.sizing
@@ -203,19 +211,31 @@ def rule_idle(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         d.hold(
             s.why + f"; {missing} of {cur} replicas not publishing count as busy, no scale-down",
             replace(d.st, idle_since=None, down_since=None),
+            code="idle_silent_busy",
         )
         return
     since = d.st.idle_since if d.st.idle_since is not None else now
     st = replace(d.st, idle_since=since, down_since=None)
     if cur <= pc.min_replicas:
-        d.hold(s.why + f"; at minimum {pc.min_replicas}", st)
+        d.hold(s.why + f"; at minimum {pc.min_replicas}", st, code="idle_at_min")
     elif d.st.in_flight is not None:
-        d.hold(s.why + "; a scale-up is still starting", st, desired=d.replicas)
+        d.hold(
+            s.why + "; a scale-up is still starting", st, desired=d.replicas, code="idle_scale_up_starting"
+        )
     elif now - since >= cfg.idle_window_s:
         to = max(cur - cfg.scale_down_step, pc.min_replicas)
-        d.decide(to, s.why + f" for {now - since:.0f}s; stepping down towards minimum {pc.min_replicas}", st)
+        d.decide(
+            to,
+            s.why + f" for {now - since:.0f}s; stepping down towards minimum {pc.min_replicas}",
+            st,
+            code="idle_step_down",
+        )
     else:
-        d.hold(s.why + f"; idle {now - since:.0f}s of {cfg.idle_window_s:g}s before stepping down", st)
+        d.hold(
+            s.why + f"; idle {now - since:.0f}s of {cfg.idle_window_s:g}s before stepping down",
+            st,
+            code="idle_wait",
+        )
 
 
 def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> None:
@@ -228,16 +248,31 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         if cfg.max_scale_up_step is not None:
             want = min(want, d.replicas + cfg.max_scale_up_step)
         if d.replicas >= pc.max_replicas:
-            d.hold(s.why + f"; at max_replicas {pc.max_replicas}", desired=max(d.replicas, cur))
+            d.hold(
+                s.why + f"; at max_replicas {pc.max_replicas}",
+                desired=max(d.replicas, cur),
+                code="load_up_at_max",
+            )
         elif want <= d.replicas:
-            d.hold(s.why + f"; {d.replicas} replicas (with those starting) carry it", desired=d.replicas)
+            d.hold(
+                s.why + f"; {d.replicas} replicas (with those starting) carry it",
+                desired=d.replicas,
+                code="load_up_carried",
+            )
         else:
             starting = d.replicas - cur
-            d.decide(want, s.why + (f" ({starting} starting counted)" if starting > 0 else ""))
+            d.decide(
+                want, s.why + (f" ({starting} starting counted)" if starting > 0 else ""), code="load_up"
+            )
         return
     if d.st.in_flight is not None:
         # A scale-up is still starting: never reverse it before it has landed.
-        d.hold(d.reason + "; " + s.why, replace(d.st, down_since=None), desired=d.replicas)
+        d.hold(
+            d.reason + "; " + s.why,
+            replace(d.st, down_since=None),
+            desired=d.replicas,
+            code="load_up_starting",
+        )
         return
     if s.want == "down":
         window = cfg.scale_down_stabilization_s
@@ -251,28 +286,33 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
                 why = f"; the {recent} replicas found at the planner's first look {now - first:.0f}s ago"
             else:
                 why = f"; {recent} replicas were needed within {window:g}s"
-            d.hold(s.why + why + " (stabilization)", replace(d.st, down_since=None))
+            d.hold(s.why + why + " (stabilization)", replace(d.st, down_since=None), code="load_stabilized")
             return
         if missing > 0:
             d.hold(
                 s.why + f"; but {missing} replicas are not publishing (counted as busy), no scale-down",
                 replace(d.st, down_since=None),
+                code="load_silent_busy",
             )
             return
         since = d.st.down_since if d.st.down_since is not None else now
         st = replace(d.st, down_since=since)
         if cur <= pc.min_replicas:
-            d.hold(s.why + f"; at min_replicas {pc.min_replicas}", st)
+            d.hold(s.why + f"; at min_replicas {pc.min_replicas}", st, code="load_at_min")
         elif now - since >= cfg.scale_down_window_s:
             floor = max(pc.min_replicas, s.needed or 0, recent, cur - cfg.scale_down_step)
             if floor >= cur:
-                d.hold(s.why + f"; {s.needed} replicas needed", st)
+                d.hold(s.why + f"; {s.needed} replicas needed", st, code="load_needed")
             else:
-                d.decide(floor, s.why + f"; wanted for {now - since:.0f}s", st)
+                d.decide(floor, s.why + f"; wanted for {now - since:.0f}s", st, code="load_down")
         else:
-            d.hold(s.why + f"; wanted for {now - since:.0f}s of {cfg.scale_down_window_s:g}s", st)
+            d.hold(
+                s.why + f"; wanted for {now - since:.0f}s of {cfg.scale_down_window_s:g}s",
+                st,
+                code="load_down_wait",
+            )
         return
-    d.hold(s.why, replace(d.st, down_since=None))
+    d.hold(s.why, replace(d.st, down_since=None), code="sizing_hold" if s.want == "hold" else "load_steady")
 
 
 def _probe_startup(st: PoolState, pool: PoolObs, now: float) -> PoolState:
@@ -322,7 +362,7 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     )
     sizing, d.st = pool_sizing(view, obs.now)
     d.sizing = sizing
-    if sizing.want == "up" and sizing.needed is not None:
+    if sizing.needed is not None and (sizing.want == "up" or cfg.variance_sizing):
         held = sizing.needed if sizing.held_need is None else sizing.held_need
         need = min(held, cfg.pool(name).max_replicas)
         d.st = replace(d.st, needs=within_window(d.st.needs, cfg.scale_down_stabilization_s, obs.now, need))

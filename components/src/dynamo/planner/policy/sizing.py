@@ -17,7 +17,10 @@ def pool_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     pool = view.pool
     if not pool.engines:
         return Sizing("idle", f"{pool.name}: no engines publishing"), view.state
-    if all(engine_idle(e) for e in pool.engines):
+    # With variance-aware sizing an idle tick is a sample of zero demand like any other: a fast engine
+    # between two prompts is idle at most ticks, and bursty traffic pauses for a minute between bursts. A
+    # scale-down still goes no lower than the window's highest recommendation (the stabilization).
+    if all(engine_idle(e) for e in pool.engines) and not view.cfg.variance_sizing:
         st = replace(view.state, trend=((now, 0.0),))
         if pool.name == "prefill":
             st = replace(st, prefill_engines=(len(pool.engines), 0))

@@ -55,6 +55,8 @@ class PoolState:
     # every engine has been saturated (``_throughput_bound``).
     arrival_trend: tuple[tuple[float, float], ...] = ()
     saturated_requests: tuple[tuple[float, float], ...] = ()
+    # (time, demand in engines at full load) inside ``demand_window_s``: the variance-aware sizing's samples.
+    demand_window: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ def decide(obs: Observation, state: PolicyState, cfg: PlannerConfig) -> tuple[De
             len(d.pool.engines),
             d.sizing,
             _signals(d),
+            d.code,
         )
         new_state = new_state.with_pool(name, st)
     return Decision(now, decisions["prefill"], decisions["decode"]), new_state
