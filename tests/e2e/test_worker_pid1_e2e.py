@@ -49,6 +49,14 @@ def _namespace_pids(host_pid: int) -> list[int]:
     raise AssertionError(f"no NSpid line for pid {host_pid}")
 
 
+def _only_child(pid: int) -> int:
+    """unshare's one child: the worker, PID 1 inside."""
+    import psutil
+
+    (child,) = psutil.Process(pid).children()
+    return int(child.pid)
+
+
 def test_a_pid_1_worker_serves_and_stops_cleanly(
     tmp_path: Path, tiny_model_dir: Path, nats_server: EmbeddedNatsServer
 ) -> None:
@@ -67,7 +75,7 @@ def test_a_pid_1_worker_serves_and_stops_cleanly(
     try:
         base_url = f"http://127.0.0.1:{http_port}"
         wait_until(lambda: model_ready(base_url, MODEL), timeout=240, procs=procs)
-        worker_pid = wait_until(lambda: (descendants(namespace.pid) or [None])[0], timeout=10)
+        worker_pid = _only_child(namespace.pid)
         assert _namespace_pids(worker_pid)[-1] == 1, "the worker is not its namespace's PID 1"
         engines = descendants(worker_pid)
         assert engines, "the worker has no engine process"
