@@ -116,7 +116,10 @@ EOF
     name=$(basename "$whl")
     printf '<a href="../../files/%s">%s</a>\n' "${name//+/%2B}" "$name"
   done >"$work/index/simple/torch/index.html"
-  index_port=$(free_port)
+  # The same port each run where it is free: the index URL is a build argument, part of the build's cache key.
+  index_port=${COMPOSE_CHECK_INDEX_PORT:-28471}
+  python3 -c "import socket, sys; socket.socket().bind(('127.0.0.1', int(sys.argv[1])))" "$index_port" \
+    2>/dev/null || index_port=$(free_port)
   python3 -m http.server "$index_port" --bind 127.0.0.1 --directory "$work/index" >"$work/index.log" 2>&1 &
   index_pid=$!
   export PIP_EXTRA_INDEX_URL=http://127.0.0.1:$index_port/simple

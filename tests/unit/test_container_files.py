@@ -330,12 +330,14 @@ def test_every_build_passes_the_index_and_ca_arguments(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])
-def test_the_planner_logs_its_decisions_and_the_frontend_health_needs_a_worker(kind: str) -> None:
+def test_the_planner_logs_decisions_and_the_frontend_is_healthy_once_its_model_is_ready(kind: str) -> None:
     services = _services(kind)
     assert "--json" in services["planner"]["command"], "decisions on stdout: `docker compose logs planner`"
     if kind == "cpu":  # /health answers 200 with no worker registered: the health check asks for the model
-        test = " ".join(services["frontend"]["healthcheck"]["test"])
-        assert "/v1/models" in test and """grep -q '"id":"tiny"'""" in test
+        test = compose_defaults(services["frontend"]["healthcheck"]["test"][-1])
+        assert test == "http://127.0.0.1:8000/v1/models/tiny/ready", test
+    over = yaml.load(HOST_NETWORK.read_text(), Loader=_ComposeLoader)["services"]  # a SafeLoader
+    assert compose_defaults(over["frontend"]["healthcheck"]["test"][-1]).endswith("/v1/models/tiny/ready")
 
 
 def test_the_dgd_gives_its_engines_shared_memory_and_an_init() -> None:
@@ -403,3 +405,12 @@ def test_the_compose_check_is_a_make_target_and_uses_the_override() -> None:
     assert "container/docker-compose.host-network.yml" in script and "stand-ins/build.sh" in script
     for path in ("container/compose_check.sh", "container/stand-ins/build.sh"):
         assert (REPO / path).stat().st_mode & 0o111, f"{path} is not executable"
+
+
+def test_every_setting_of_the_container_files_is_documented() -> None:
+    pages = ("configuration.md", "gpu-and-kubernetes.md")
+    docs = "".join((REPO / "docs" / page).read_text() for page in pages)
+    scripts = [REPO / "container" / "compose_check.sh", REPO / "container" / "stand-ins" / "build.sh"]
+    files = [*COMPOSE.values(), HOST_NETWORK, *scripts]
+    settings = {v for f in files for v in re.findall(r"\$\{([A-Z][A-Z0-9_]*):-", f.read_text())}
+    assert not sorted(v for v in settings if f"`{v}" not in docs)
