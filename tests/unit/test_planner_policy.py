@@ -1303,3 +1303,33 @@ def test_upstreams_decode_scale_up_kv_rate_sizes_the_decode_pool() -> None:
         return run(Sim(cfg, prefill=1, decode=1), 12, lambda i: (0.05, 1.5)).decode
 
     assert (sized(100), sized(50)) == (2, 3)
+
+
+def test_kv_held_for_a_dead_decode_worker_is_prefill_capacity_lost() -> None:
+    """Prefill engines holding 80% of their KV for requests no decode worker reads (a dead peer, until the
+    lease ends) have room for little else: the pool asks for a replica its load alone would not."""
+    from dynamo.common.forward_pass_metrics import ForwardPassMetrics
+
+    def engines(held: int) -> list[ForwardPassMetrics]:
+        busy = rec("p0", s_prefill=1, s_prefill_tokens=500, q_prefill=1, q_prefill_tokens=1200)  # saturated
+        idle = rec("p1")
+        return [
+            ForwardPassMetrics(
+                worker_id=r.worker_id,
+                counter_id=1,
+                wall_time=r.wall_time,
+                scheduled_requests=r.scheduled_requests,
+                queued_requests=r.queued_requests,
+                num_held_kv_requests=12 if held else 0,
+                sum_held_kv_tokens=held,
+                max_held_kv_age=9.0 if held else 0.0,
+            )
+            for r in (busy, idle)
+        ]
+
+    decode = [rec("d0", s_decode=1, s_decode_kv=100)]
+    d, _ = decide(obs(0.0, engines(0), decode, prefill_replicas=2), WATCHING, config())
+    assert (d.prefill.code, d.prefill.desired) == ("load_steady", 2), d.prefill.reason
+    d, _ = decide(obs(0.0, engines(int(0.8 * KV)), decode, prefill_replicas=2), WATCHING, config())
+    assert (d.prefill.code, d.prefill.desired) == ("load_up", 3), d.prefill.reason
+    assert d.prefill.signals.held_kv_engines == 1.6

@@ -69,6 +69,7 @@ class Signals:
     queue_wait_s: float | None = None
     deficit_engines: float | None = None
     drain_engines: float | None = None
+    held_kv_engines: float | None = None  # engines' worth of KV held for peers that have not read it
     # The SLA target's latency models.
     ttft_est_s: Summary | None = None
     ttft_target_s: float | None = None

@@ -150,7 +150,8 @@ def _robust_prefill(
     With an arrival source, the frontend's prompt tokens per second at the pool's measured cost per token
     (``arrival_engines``); without one, the engines saturated plus the queue's growth in engines (what the
     queue's change shows); before any rate is measured, the queue over the context length (upstream's load).
-    A backlog is drained in ``prefill_drain_s`` on top, outside the samples: it ends.
+    A backlog is drained in ``prefill_drain_s`` on top, outside the samples: it ends; so is KV held for
+    peers that have not read it (``EngineObs.held_kv_tokens``), until its lease ends.
     """
     cfg = view.cfg
     backlog = sum(queued)
@@ -168,5 +169,12 @@ def _robust_prefill(
         wait_s = max(queued) / rate
         sig = replace(sig, queue_wait_s=round(wait_s, 3), drain_engines=round(drain, 3))
         late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
+    # KV the engines hold for peers that have not read it (a dead or slow decode worker) is capacity no new
+    # prompt can use until the lease ends: the engines' worth of it is wanted on top while it lasts.
+    held = sum(e.held_kv_tokens / e.capacity.kv_tokens for e in view.pool.engines if e.capacity.kv_tokens)
+    extra, why = drain, "to drain the queue"
+    if held > 0:
+        sig = replace(sig, held_kv_engines=round(held, 3))
+        extra, why = drain + held, ("to drain the queue and " if drain > 0 else "") + "for KV held for peers"
     view = replace(view, state=st)
-    return robust_verdict(view, now, loads, demand, up, sig, drain, "to drain the queue", late, target)
+    return robust_verdict(view, now, loads, demand, up, sig, extra, why, late, target)
