@@ -147,6 +147,8 @@ async def test_decode_backlog_scales_decode_then_idle_returns_to_minimum(
         interval_s=1.0,
         idle_window_s=2.0,
         scale_down_window_s=2.0,
+        scale_down_stabilization_s=3.0,
+        demand_window_s=3.0,
         mismatch_grace_s=4.0,
         stale_after_s=2.5,
         action_timeout_s=30.0,
