@@ -14,6 +14,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+from dynamo.vllm.fpm_env import number
+
 ENV_INTERVAL = "DYN_NIXL_TRACEBACK_INTERVAL_S"
 DEFAULT_INTERVAL_S = 60.0
 NIXL_WORKER_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -21,16 +23,7 @@ NIXL_WORKER_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_wor
 
 def interval_from(env: Mapping[str, str]) -> float:
     """``DYN_NIXL_TRACEBACK_INTERVAL_S`` (seconds, ``0`` = keep every traceback); ValueError if bad."""
-    raw = env.get(ENV_INTERVAL, "").strip()
-    if not raw:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_INTERVAL} must be a number of seconds (0 = keep all), got {raw!r}") from None
-    if not value >= 0:
-        raise ValueError(f"{ENV_INTERVAL} must be >= 0, got {raw!r}")
-    return value
+    return number(env, ENV_INTERVAL, DEFAULT_INTERVAL_S, what="a number of seconds (0 = keep all)")
 
 
 class TracebackLimiter(logging.Filter):

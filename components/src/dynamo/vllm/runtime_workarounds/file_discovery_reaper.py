@@ -28,6 +28,8 @@ import socket
 import threading
 from pathlib import Path
 
+from dynamo.vllm.fpm_env import number
+
 log = logging.getLogger(__name__)
 
 ENV_INTERVAL = "DYN_FILE_DISCOVERY_REAP_INTERVAL_S"
@@ -41,16 +43,7 @@ SEPARATOR = "%2F"  # the runtime's encoded "/" before the connection id in an en
 
 def interval_from(env: dict[str, str] | os._Environ[str]) -> float:
     """``DYN_FILE_DISCOVERY_REAP_INTERVAL_S`` (seconds, ``0`` = off); ValueError names a bad value."""
-    raw = env.get(ENV_INTERVAL, "").strip()
-    if not raw:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_INTERVAL} must be a number of seconds (0 = off), got {raw!r}") from None
-    if value < 0 or value != value:
-        raise ValueError(f"{ENV_INTERVAL} must be >= 0, got {raw!r}")
-    return value
+    return number(env, ENV_INTERVAL, DEFAULT_INTERVAL_S, what="a number of seconds (0 = off)")
 
 
 def instance_addresses(root: Path) -> dict[str, tuple[str, int]]:
