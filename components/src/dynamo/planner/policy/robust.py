@@ -109,7 +109,6 @@ def robust_verdict(
     if silent_busy:
         why += f" ({silent_busy:g} silent engines counted at {up:g})"
     want: Want = "up" if need > view.replicas else "down" if need < view.replicas else "steady"
-
     sizing = Sizing(
         want,
         why,
