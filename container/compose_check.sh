@@ -24,6 +24,12 @@ MODEL=tiny
 NAMESPACE=${NAMESPACE:-demo}
 IMAGE=${DYNAMO_FPM_CPU_IMAGE:-dynamo-fpm:cpu}
 files=(-f container/docker-compose.cpu.yml -f container/docker-compose.host-network.yml)
+# Without a daemon every later step fails slowly (the stand-ins' debootstrap ran 40 s before the first
+# docker call said so): say it first, in one line, before anything is made.
+if ! docker info >/dev/null 2>&1; then
+  echo 'compose-check: FAILED: no Docker daemon answers (start dockerd: docs/gpu-and-kubernetes.md, "The compose check")' >&2
+  exit 1
+fi
 work=$(mktemp -d)
 started=$SECONDS
 index_pid=""
