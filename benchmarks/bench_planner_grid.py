@@ -8,7 +8,7 @@ knobs that trade GPU-hours for goodput (default grid) show where the targets con
 judges every point on each seed's traces (each against its own baselines): a setting chosen on one seed
 can turn on a few requests.
 
-    python benchmarks/bench_planner_grid.py [--grid 'projection_cap=1,1.5,2'] [--grid 'decode_trend=held']
+    python benchmarks/bench_planner_grid.py [--grid 'headroom_sigmas=1,2,3'] [--grid 'forecast.enabled=false']
         [--scenarios a,b] [--startups 0,60] [--config BASE] [--no-upstream] [--jobs N] [--json PATH]
         [--seeds 0,1,2]
 """
@@ -34,9 +34,9 @@ from dynamo.planner.sim.scenarios import SCENARIOS, scenario_names, write_trace
 from upstream_planner.client import available as upstream_available
 
 DEFAULT_GRID = (
-    "projection_cap=1,1.5,2",
-    "scale_down_stabilization_s=180,300",
-    "decode_trend=demand,held",
+    "headroom_sigmas=1,2,3",
+    "scale_down_stabilization_s=120,300",
+    "forecast.enabled=true,false",
 )
 
 

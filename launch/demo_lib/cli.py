@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-down-window",
         type=float,
         default=15.0,
-        help="seconds a scale-down must be wanted (and a pool idle) before it happens; also the planner's "
-        "scale-down stabilization and demand window (default 15)",
+        help="the planner's scale-down stabilization and demand window: a pool shrinks to the highest "
+        "need of the last S seconds, and one idle for S seconds needs none (default 15)",
     )
     p.add_argument(
         "--startup-timeout",

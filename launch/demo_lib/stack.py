@@ -193,8 +193,6 @@ def planner_config(cfg: DemoConfig) -> dict[str, object]:
             "max_replicas": 0 if cfg.agg else cfg.prefill_max,
         },
         "decode": {"min_replicas": cfg.decode_min, "max_replicas": cfg.decode_max},
-        "scale_down_window_s": cfg.scale_down_window_s,
-        "idle_window_s": cfg.scale_down_window_s,
         # The demo compresses minutes into seconds: the HPA-style stabilization (300 s by default) and the
         # demand window follow its scale-down window, so the pools return to their minimum within the run.
         "scale_down_stabilization_s": cfg.scale_down_window_s,

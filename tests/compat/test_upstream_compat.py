@@ -142,9 +142,9 @@ def test_every_top_level_key_of_upstreams_planner_config_is_known(upstream_dir: 
         ({"optimization_target": "load", "mode": "agg", "decode_scale_up_kv_rate": 90,
           "decode_scale_down_kv_rate": 40, "prefill_scale_up_queue_tokens": 4000},
          {"target": "load", "prefill": {"min_replicas": 0, "max_replicas": 0}, "gpu_budget": 8,
-          "thresholds": {"decode_up": 0.9, "decode_down": 0.4}}),
+          "thresholds": {"decode_up": 0.9}}),
         ({"load_scaling_down_sensitivity": 70, "metric_reporting_prometheus_port": 0, "gpu_budget": 4},
-         {"sla": {"headroom": 0.7}, "consolidation_headroom": 0.7, "metrics_port": None, "gpu_budget": 4}),
+         {"sla": {"headroom": 0.7}, "metrics_port": None, "gpu_budget": 4}),
         ({"target": "latency"}, {"target": "latency"}),  # ours only: unchanged
     ],
 )  # fmt: skip

@@ -20,13 +20,13 @@ def _grid(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--grid", "projection_cap"], "expected key=value,value"),
-        (["--grid", "projection_cap=x"], "projection_cap"),
-        (["--grid", "decode_trend=sideways"], "decode_trend"),
-        (["--grid", "projection_cap=2", "--scenarios", "nope"], "unknown scenario 'nope'"),
-        (["--grid", "projection_cap=2", "--startups", "x"], "--startups 'x': expected seconds"),
-        (["--grid", "projection_capp=2"], "projection_capp: unknown option"),
-        (["--grid", "projection_cap=2", "--seeds", "0,zero"], "--seeds '0,zero': expected integers"),
+        (["--grid", "headroom_sigmas"], "expected key=value,value"),
+        (["--grid", "headroom_sigmas=x"], "headroom_sigmas"),
+        (["--grid", "forecast.enabled=sideways"], "forecast.enabled"),
+        (["--grid", "headroom_sigmas=2", "--scenarios", "nope"], "unknown scenario 'nope'"),
+        (["--grid", "headroom_sigmas=2", "--startups", "x"], "--startups 'x': expected seconds"),
+        (["--grid", "headroom_sigma=2"], "headroom_sigma: unknown option"),
+        (["--grid", "headroom_sigmas=2", "--seeds", "0,zero"], "--seeds '0,zero': expected integers"),
     ],
 )
 def test_bad_grids_exit_2_before_simulating(args: list[str], message: str) -> None:
@@ -39,7 +39,7 @@ def test_a_point_is_judged_on_the_real_simulator(tmp_path: Path) -> None:
     out = tmp_path / "grid.json"
     done = _grid(
         "--grid",
-        "projection_cap=2",
+        "headroom_sigmas=2",
         "--grid",
         "decode.max_replicas=1,8",
         "--scenarios",
@@ -62,7 +62,7 @@ def test_a_point_is_judged_on_the_real_simulator(tmp_path: Path) -> None:
     assert any(m["criterion"] == "goodput" for m in points[1]["missed"])
     assert points[8]["runs"][0]["goodput_pct"] >= 97.0
     assert points[8]["met"] > points[1]["met"]
-    assert "most targets met: projection_cap=2 decode.max_replicas=8" in done.stdout
+    assert "most targets met: headroom_sigmas=2 decode.max_replicas=8" in done.stdout
 
 
 def test_each_seed_is_judged_and_counted(tmp_path: Path) -> None:

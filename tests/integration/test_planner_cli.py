@@ -30,8 +30,8 @@ CFG = json.dumps(
     {
         "use_model_cards": False,
         "capacity": {"context_length": 1000, "kv_tokens": 10000},
-        "idle_window_s": 2,
-        "scale_down_window_s": 2,
+        "scale_down_stabilization_s": 2,
+        "demand_window_s": 2,
     }
 )
 

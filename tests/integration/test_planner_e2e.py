@@ -145,8 +145,6 @@ async def test_decode_backlog_scales_decode_then_idle_returns_to_minimum(
     cfg = config(
         namespace=ns,
         interval_s=1.0,
-        idle_window_s=2.0,
-        scale_down_window_s=2.0,
         scale_down_stabilization_s=3.0,
         demand_window_s=3.0,
         mismatch_grace_s=4.0,

@@ -39,8 +39,6 @@ async def test_local_connector_in_the_loop(tmp_path: Path, nats_server: Any) -> 
     cfg = config(
         namespace=ns,
         interval_s=1.0,
-        idle_window_s=2.0,
-        scale_down_window_s=2.0,
         scale_down_stabilization_s=3.0,
         demand_window_s=3.0,
         mismatch_grace_s=20.0,

@@ -146,8 +146,6 @@ WATCHING = PolicyState(PoolState(first_look_at=-1e9), PoolState(first_look_at=-1
 def config(**over: Any) -> PlannerConfig:
     base: dict[str, Any] = {
         "interval_s": 5.0,
-        "scale_down_window_s": 15.0,
-        "idle_window_s": 10.0,
         "action_timeout_s": 60.0,
         "mismatch_grace_s": 10.0,
         "capacity": {"context_length": CTX, "kv_tokens": KV},

@@ -19,7 +19,6 @@ Target = Literal["throughput", "latency", "load", "sla"]
 ConnectorName = Literal["virtual", "local", "kubernetes"]
 ScaleVia = Literal["auto", "adapter", "dgd"]
 EventPlaneName = Literal["nats", "zmq"]
-DecodeTrend = Literal["demand", "held"]
 
 
 class ConfigError(ValueError):
@@ -28,26 +27,22 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Per-engine load signals: scale up when any engine is above ``*_up``, down when all are below
-    ``*_down``.
-
-    ``*_target``: the utilisation one engine is sized for when the pool's demand is turned into a
-    replica count (proportional sizing, docs/planner.md).
+    """The load one engine is sized to carry: ``*_up`` at the demand's high level (mean + spread), and
+    ``*_target`` on average (docs/planner.md, "Sizing").
     """
 
     prefill_up: float = 1.0
-    prefill_down: float = 0.1
     decode_up: float = 1.0
-    decode_down: float = 0.6
     prefill_target: float = 1.0
     decode_target: float = 0.85
 
 
-# Up/down thresholds: upstream Dynamo 1.6.1's load-based presets (dynamo/planner/core/load_scaling.py),
-# same values. The *_target utilisations are ours (upstream steps one replica at a time).
+# The up thresholds: upstream Dynamo 1.6.1's load-based presets (dynamo/planner/core/load_scaling.py),
+# same values. The *_target utilisations are ours (upstream steps one replica at a time). Upstream's down
+# thresholds have no counterpart: a pool shrinks to the highest need of the stabilization window.
 PRESETS: dict[str, Thresholds] = {
-    "throughput": Thresholds(1.0, 0.1, 1.0, 0.6, 1.0, 0.85),
-    "latency": Thresholds(0.1, 0.0, 0.4, 0.1, 0.6, 0.5),
+    "throughput": Thresholds(1.0, 1.0, 1.0, 0.85),
+    "latency": Thresholds(0.1, 0.4, 0.6, 0.5),
 }
 
 
@@ -133,10 +128,24 @@ class VirtualConfig:
 
 @dataclass(frozen=True)
 class ForecastConfig:
-    """Scaling ahead of today's demand from its trend (docs/planner.md, "Forecast")."""
+    """Scaling ahead of today's demand from its trend (``policy.forecast``; docs/planner.md, "Forecast")."""
 
-    # Off: each pool is sized for its recent demand and its spread only.
-    enabled: bool = True
+    # Off (the default): each pool is sized for its recent demand and its spread only. On the held-out traffic
+    # (the Azure traces, the generated families) it cost GPU-hours and flips for no goodput (docs/planner.md).
+    enabled: bool = False
+    # Demand samples the trend's line is fitted to (its slope times the startup is the growth sized for).
+    window_s: float = 40.0
+    # A trend this consistent (r squared of its line) counts as rising.
+    min_r2: float = 0.7
+    # Decode: a rise under this many standard deviations of the wander of the requests in flight is noise
+    # (needs the arrivals; 0 = off).
+    noise_z: float = 3.0
+    # Decode: while every engine is saturated, the projection is at most this many times the engines the
+    # arrivals expected one startup ahead keep busy at the pool's measured completions (needs the
+    # arrivals; 0 = off).
+    throughput_cap: float = 1.5
+    # The projected growth is at most this many times today's demand.
+    projection_cap: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -157,45 +166,16 @@ class PlannerConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     # GPUs for prefill + decode together (None = no budget); never exceeded, not even mid-rebalance.
     gpu_budget: int | None = None
-    # Consolidation-aware scale-down: the load spread over N-1 engines must stay under up * this.
-    consolidation_headroom: float = 0.8
-    # A scale-down must have been wanted this long, without interruption, before it happens.
-    scale_down_window_s: float = 30.0
     # Never below the most replicas the sizing asked for within this long (the HPA's scale-down
     # stabilization window; an idle pool's records cannot say how close to saturation it is). The fleet
     # found at the planner's first decision counts as asked for then (``rule_first_look``).
     scale_down_stabilization_s: float = 300.0
-    # Decode: a scale-up that took at least this long to land and then finds its load gone (a burst
-    # shorter than the startup) is not held by that window (None: always held; docs/planner.md).
-    late_landing_s: float | None = 30.0
-    # Disaggregated: while the prefill pool scales up (asked for or still starting), decode does not scale
-    # down; the prompts prefill takes on become decode work a prefill later (docs/planner.md).
-    decode_follows_prefill: bool = True
-    # A pool with no work at all for this long steps down to its minimum (one step per interval).
-    idle_window_s: float = 30.0
     # An action not completed by then is abandoned: the planner accepts what is running and moves on.
     action_timeout_s: float = 300.0
     # Proportional sizing: at most this many replicas added by one action (None = no cap) ...
     max_scale_up_step: int | None = None
     # ... and at most this many removed by one scale-down.
     scale_down_step: int = 1
-    # Demand samples kept for the trend (its slope times the startup time is the growth sized for).
-    trend_window_s: float = 40.0
-    # A trend this consistent (r squared of its line) may trigger a scale-up ahead of today's demand.
-    trend_min_r2: float = 0.7
-    # Decode: a rise over the trend window under this many standard deviations of the wander of the
-    # requests in flight does not trigger a scale-up ahead (needs the arrivals; 0 = off; docs/planner.md).
-    trend_noise_z: float = 3.0
-    # Decode: while every engine is saturated, the trend's projection is at most this many times the
-    # engines the arrivals expected one startup ahead keep busy at the pool's measured completions
-    # (needs the arrivals; 0 = off; docs/planner.md).
-    throughput_cap: float = 1.5
-    # The projected growth is at most this many times today's demand.
-    projection_cap: float = 2.0
-    # Decode: the trend sized for is that of the engines' demand, queues included ("demand"), or of
-    # what they hold ("held"). A short engine's queue grows at constant arrivals, so "demand" projects a
-    # burst's step as a ramp: "held" is cheaper on bursts and later on ramps (docs/planner.md).
-    decode_trend: DecodeTrend = "demand"
     # Use the frontend's arrival rate when a source gives one (the simulator always does; live, see
     # ``frontend_metrics_url``): a prefill pool busy without a queue is then not consolidated.
     use_arrivals: bool = True
@@ -206,22 +186,12 @@ class PlannerConfig:
     frontend_model: str | None = None
     # Startup assumed until measured (seconds from a scale-up to the new replica's first record).
     expected_startup_s: float = 60.0
-    # Variance-aware sizing (docs/planner.md, "Sizing"): each pool is sized for the mean of its demand over
-    # this window plus ``headroom_sigmas`` standard deviations of it, at the engines' ``up`` load.
-    variance_sizing: bool = True
-    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    # Each pool is sized for the mean of its demand over this window plus ``headroom_sigmas`` standard
+    # deviations of it, at the engines' ``up`` load (docs/planner.md, "Sizing"); a prefill backlog is sized
+    # to drain within it.
     demand_window_s: float = 60.0
     headroom_sigmas: float = 2.0
-    # Decode: an engine's queue counts towards demand up to this many times what it holds.
-    decode_queue_weight: float = 1.0
-    # Prefill: a queue the previous decision did not see scales the pool up only if it is still there at
-    # the next one, unless it already waits over half the TTFT target (a burst, not a shortage).
-    prefill_second_look: bool = True
-    # Prefill: the backlog expected when new replicas are ready is sized to drain in this long.
-    prefill_drain_s: float = 60.0
-    # Prefill: the scale-down stabilization also holds the replicas asked for to drain a backlog (true:
-    # as before session 19); false holds only what the arrivals need, so the drain's leave once it is done.
-    hold_prefill_drain: bool = False
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
     # A worker that published nothing for this long is dropped.
     stale_after_s: float = 5.0
     # Engines (worker_id, dp_rank) held per book, both pools together, and by the tracker; beyond that the
@@ -233,8 +203,6 @@ class PlannerConfig:
     warmup_s: float = 20.0
     # ... and after this many timing records.
     warmup_records: int = 5
-    # Weight of decode KV still in transfer when the worker is transfer-bound (see docs: the split rule).
-    transfer_bound_weight: float = 0.0
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     # Read capacity from Dynamo model cards (needs the Dynamo runtime); off = configuration only.
     use_model_cards: bool = True
@@ -339,23 +307,19 @@ def _check(cfg: PlannerConfig) -> None:
             raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
 
     positive("interval_s", cfg.interval_s)
-    for key in ("scale_down_window_s", "idle_window_s", "mismatch_grace_s", "warmup_s"):
+    for key in ("mismatch_grace_s", "warmup_s", "scale_down_stabilization_s", "headroom_sigmas"):
         positive(key, getattr(cfg, key), allow_zero=True)
     positive("action_timeout_s", cfg.action_timeout_s)
     if cfg.max_scale_up_step is not None:
         positive("max_scale_up_step", cfg.max_scale_up_step)
     positive("scale_down_step", cfg.scale_down_step)
-    positive("trend_window_s", cfg.trend_window_s, allow_zero=True)
-    positive("scale_down_stabilization_s", cfg.scale_down_stabilization_s, allow_zero=True)
-    positive("projection_cap", cfg.projection_cap, allow_zero=True)
     positive("demand_window_s", cfg.demand_window_s)
-    positive("headroom_sigmas", cfg.headroom_sigmas, allow_zero=True)
-    positive("trend_noise_z", cfg.trend_noise_z, allow_zero=True)
-    positive("throughput_cap", cfg.throughput_cap, allow_zero=True)
-    if cfg.late_landing_s is not None:
-        positive("late_landing_s", cfg.late_landing_s, allow_zero=True)
+    fc = cfg.forecast
+    for key in ("window_s", "noise_z", "throughput_cap", "projection_cap"):
+        positive(f"forecast.{key}", getattr(fc, key), allow_zero=True)
+    if not 0.0 <= fc.min_r2 <= 1.0:
+        raise ConfigError(f"forecast.min_r2: must be in [0, 1], got {fc.min_r2}")
     positive("expected_startup_s", cfg.expected_startup_s, allow_zero=True)
-    positive("prefill_drain_s", cfg.prefill_drain_s)
     positive("stale_after_s", cfg.stale_after_s)
     positive("max_engines", cfg.max_engines)
     positive("warmup_records", cfg.warmup_records, allow_zero=True)
@@ -363,10 +327,6 @@ def _check(cfg: PlannerConfig) -> None:
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ConfigError(f"frontend_metrics_url: {url!r} is not an http(s) URL with a host")
-    if not 0 < cfg.consolidation_headroom <= 1:
-        raise ConfigError(f"consolidation_headroom: must be in (0, 1], got {cfg.consolidation_headroom}")
-    if not 0.0 <= cfg.transfer_bound_weight <= 1.0:
-        raise ConfigError(f"transfer_bound_weight: must be in [0, 1], got {cfg.transfer_bound_weight}")
     for name in ("prefill", "decode"):
         pool = cfg.pool(name)
         positive(f"{name}.min_replicas", pool.min_replicas, allow_zero=True)
@@ -381,12 +341,12 @@ def _check(cfg: PlannerConfig) -> None:
         if cfg.gpu_budget < need:
             raise ConfigError(f"gpu_budget: {cfg.gpu_budget} cannot hold both pools' minimum ({need} GPUs)")
     if cfg.target == "load" and cfg.thresholds is None:
-        raise ConfigError("thresholds: target 'load' needs user thresholds (prefill_up, prefill_down, ...)")
+        raise ConfigError("thresholds: target 'load' needs user thresholds (prefill_up, decode_up, ...)")
     th = cfg.effective_thresholds()
     for side in ("prefill", "decode"):
-        up, down = getattr(th, f"{side}_up"), getattr(th, f"{side}_down")
-        if not 0 <= down < up:
-            raise ConfigError(f"thresholds.{side}_down: must be >= 0 and below {side}_up ({down} vs {up})")
+        up = getattr(th, f"{side}_up")
+        if not up > 0:
+            raise ConfigError(f"thresholds.{side}_up: must be > 0, got {up}")
         target = getattr(th, f"{side}_target")
         if not 0 < target <= 1:
             raise ConfigError(f"thresholds.{side}_target: must be in (0, 1], got {target}")

@@ -189,7 +189,7 @@ def _sensitivity(v: Any, data: Mapping[str, Any]) -> Sets:
         raise _refuse(
             "load_scaling_down_sensitivity", f"must be in 1..100 here (0 never scales down), got {v!r}"
         )
-    return [("sla.headroom", pct / 100.0), ("consolidation_headroom", pct / 100.0)]
+    return [("sla.headroom", pct / 100.0)]
 
 
 def _prefill_queue_tokens(key: str) -> Handler:
@@ -199,7 +199,7 @@ def _prefill_queue_tokens(key: str) -> Handler:
         raise _refuse(
             key,
             "absolute prefill queue-token thresholds are not supported: our prefill load is queued "
-            "tokens / the engine's context length; set thresholds.prefill_up / prefill_down instead",
+            "tokens / the engine's context length; set thresholds.prefill_up instead",
         )
 
     return handle
@@ -296,7 +296,9 @@ RULES: dict[str, Rule] = {
         "sla.min_samples", "samples before the regression is trusted", _to("sla.min_samples")
     ),
     "load_scaling_down_sensitivity": Rule(
-        "sla.headroom, consolidation_headroom", "percent -> fraction", _sensitivity
+        "sla.headroom",
+        "percent -> fraction (target sla; the load targets shrink to the stabilization's highest need)",
+        _sensitivity,
     ),
     "decode_scale_up_kv_rate": Rule(
         "thresholds.decode_up",
@@ -304,9 +306,9 @@ RULES: dict[str, Rule] = {
         _percent("decode_scale_up_kv_rate", "thresholds.decode_up"),
     ),
     "decode_scale_down_kv_rate": Rule(
-        "thresholds.decode_down",
-        "percent -> fraction; read by the previous sizing only (variance_sizing: false)",
-        _percent("decode_scale_down_kv_rate", "thresholds.decode_down"),
+        "-",
+        "checked (0..100), nothing to set: a pool shrinks to the stabilization window's highest need",
+        _percent("decode_scale_down_kv_rate"),
     ),
     "prefill_scale_up_queue_tokens": Rule(
         "-",
@@ -314,9 +316,7 @@ RULES: dict[str, Rule] = {
         _prefill_queue_tokens("prefill_scale_up_queue_tokens"),
     ),
     "prefill_scale_down_queue_tokens": Rule(
-        "-",
-        "refused (agg: ignored): set thresholds.prefill_down",
-        _prefill_queue_tokens("prefill_scale_down_queue_tokens"),
+        "-", "nothing to set: a pool shrinks to the stabilization window's highest need", _ignored
     ),
     "enable_load_scaling": Rule(
         "-", "load-based scaling is what we do; with optimization_target sla it must be true", _ignored

@@ -47,7 +47,6 @@ from .rules import (
     rule_first_look,
     rule_idle,
     rule_in_flight,
-    rule_late_landing,
     rule_load,
     rule_mismatch,
 )
@@ -90,7 +89,6 @@ __all__ = [
     "rule_first_look",
     "rule_idle",
     "rule_in_flight",
-    "rule_late_landing",
     "rule_load",
     "rule_mismatch",
     "sent_now",

@@ -38,7 +38,6 @@ class Signals:
     startup_measured: bool | None = None
     loads: Summary | None = None
     up: float | None = None
-    down: float | None = None
     target: float | None = None
     consolidated: float | None = None
     needed: int | None = None
@@ -55,19 +54,16 @@ class Signals:
     decode_kv_waiting_tokens: int | None = None
     transfer_bound_engines: int | None = None
     slot_load_max: float | None = None
-    held_slope: float | None = None  # ``decode_trend: held``: the slope sized for, engines per second
     trend_rise: float | None = None  # the trend's rise over its window, engines
-    trend_noise: float | None = None  # ``trend_noise_z`` standard deviations of the requests' wander, engines
+    trend_noise: float | None = None  # ``forecast.noise_z`` standard deviations of the requests' wander
     completed_per_s: float | None = None  # requests a saturated decode pool completes per second
-    throughput_bound: float | None = None  # ``throughput_cap`` x what the arrivals ahead need, engines
-    late_landing_from: int | None = None  # a scale-up from this many landed after its load: needs forgotten
+    throughput_bound: float | None = None  # ``forecast.throughput_cap`` x what the arrivals ahead need
     prefill_rising_to: int | None = None  # a scale-down held: prefill is scaling up to this many replicas
     # Prefill.
     queued_prefill_tokens: int | None = None
     engine_rate_tok_s: float | None = None
     arrival_engines: float | None = None  # engines' worth of work the frontend's arrivals bring
     queue_wait_s: float | None = None
-    deficit_engines: float | None = None
     drain_engines: float | None = None
     held_kv_engines: float | None = None  # engines' worth of KV held for peers that have not read it
     # The SLA target's latency models.
@@ -103,8 +99,8 @@ class Sizing:
     """A pool's load as the policy judged it (the typed signals). ``want`` is before bounds and budget.
 
     ``demand`` and ``projected`` are in engines' worth of work at 100% (decode: KV or running slots;
-    prefill: the arrivals the queue's change shows, see ``_prefill_arrivals``); ``needed`` is the
-    replica count the projected demand asks for at the target utilisation.
+    prefill: the arrivals' prompt work, see ``prefill_sizing``); ``projected`` is the window's level plus
+    what is wanted on top; ``needed`` is the replica count the sizing asks for.
     """
 
     want: Want
@@ -114,11 +110,7 @@ class Sizing:
     projected: float | None = None
     needed: int | None = None
     consolidated: float | None = None
-    slope: float | None = None
     signals: Signals = Signals()
-    # What the scale-down stabilization holds of ``needed``, when less (prefill: the arrivals' need, not
-    # the replicas a backlog's drain asked for on top); None: all of it.
-    held_need: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

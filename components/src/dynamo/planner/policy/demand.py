@@ -26,7 +26,7 @@ class DecodeDemand(NamedTuple):
     transfer_bound: bool
 
 
-def decode_demand(e: EngineObs, weight: float, up: float) -> DecodeDemand:
+def decode_demand(e: EngineObs, up: float) -> DecodeDemand:
     """Decode work that counts as demand, in KV tokens and in running slots, with the split rule.
 
     Without the transfer/ready split (upstream records) every queued decode request and token counts,
@@ -34,7 +34,7 @@ def decode_demand(e: EngineObs, weight: float, up: float) -> DecodeDemand:
     slot, so they always count; requests still in transfer count too, unless the engine is
     *transfer-bound* -- nothing waits for a slot and what it holds is at or below the scale-up
     threshold in KV and in slots -- then the transfer backlog is a link problem, not missing decode
-    capacity, and counts with ``transfer_bound_weight`` (default 0).
+    capacity, and does not count.
     """
     s, q = e.record.scheduled_requests, e.record.queued_requests
     # An aggregated engine (in the decode pool) also queues prompts: they will need KV and slots.
@@ -57,9 +57,7 @@ def decode_demand(e: EngineObs, weight: float, up: float) -> DecodeDemand:
     held_reqs = s.num_decode_requests + max(waiting_reqs, 0) + prompts + s.num_prefill_requests
     bound = transfer > 0 and waiting_reqs <= 0 and held / kv <= up and (not seqs or held_reqs / seqs <= up)
     if bound:
-        return DecodeDemand(
-            held + weight * transfer, held_reqs + weight * transfer_reqs, transfer, waiting, True
-        )
+        return DecodeDemand(float(held), float(held_reqs), transfer, waiting, True)
     return DecodeDemand(float(held + transfer), float(held_reqs + transfer_reqs), transfer, waiting, False)
 
 

@@ -10,18 +10,12 @@ from .state import PolicyState, PoolName, other
 
 
 def _fits_consolidated(d: Draft, cfg: PlannerConfig) -> bool:
-    """Whether this pool could give one replica away (for a rebalance) without overloading."""
+    """Whether this pool could give one replica away (for a rebalance): its sizing wants fewer, and every
+    replica publishes (a silent one may be loaded)."""
     s = d.sizing
     if s is None or d.st.in_flight is not None or d.pool.replicas <= cfg.pool(d.name).min_replicas:
         return False
-    if s.want in ("idle", "down"):
-        return d.pool.workers >= d.pool.replicas
-    if s.want != "steady" or s.consolidated is None or cfg.variance_sizing:
-        return False
-    th = cfg.effective_thresholds()
-    up = th.prefill_up if d.name == "prefill" else th.decode_up
-    limit = cfg.sla.headroom if cfg.target == "sla" else up * cfg.consolidation_headroom
-    return s.consolidated < limit and d.pool.workers >= d.pool.replicas
+    return s.want in ("idle", "down") and d.pool.workers >= d.pool.replicas
 
 
 def apply_interval_guard(
@@ -41,7 +35,7 @@ def apply_interval_guard(
             d.desired, d.action, d.code = d.replicas, "hold", "interval_guard"
 
 
-def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
+def apply_decode_follows_prefill(drafts: dict[PoolName, Draft]) -> None:
     """While the prefill pool scales up (asked for now, or still starting), decode does not scale down.
 
     In disaggregated serving every prompt prefill takes on becomes decode work one prefill later, so a
@@ -49,8 +43,6 @@ def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConf
     Only the sizing's scale-downs (load, idle) are held: bounds, abandoned actions and rebalances are not;
     and only while prefill workers publish (an aggregated deployment has none to scale).
     """
-    if not cfg.decode_follows_prefill:
-        return
     pre, dec = drafts["prefill"], drafts["decode"]
     if pre.pool.workers == 0:
         return
@@ -66,7 +58,6 @@ def apply_decode_follows_prefill(drafts: dict[PoolName, Draft], cfg: PlannerConf
     dec.desired, dec.action, dec.code = dec.pool.replicas, "hold", "decode_follows_prefill"
     dec.reason += f"; held: prefill is scaling up to {to} (decode work follows)"
     dec.signals = replace(dec.signals, prefill_rising_to=to)
-    dec.st = replace(dec.st, down_since=None, idle_since=None)
 
 
 def _holding(d: Draft) -> int:
@@ -119,7 +110,6 @@ def apply_budget(drafts: dict[PoolName, Draft], cfg: PlannerConfig) -> None:
                 f"rebalance: releasing one {o.name} replica so {d.name} can go to {want} "
                 f"within the GPU budget {budget} ({o.reason})"
             )
-            o.st = replace(o.st, down_since=None)
             d.reason += f"; GPU budget {budget} would be exceeded ({used}); rebalancing from {o.name} first"
         else:
             d.reason += f"; GPU budget {budget} would be exceeded ({used}) and {o.name} cannot give a replica"

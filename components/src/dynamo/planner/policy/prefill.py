@@ -1,4 +1,4 @@
-"""Prefill sizing: the arrivals a queue's change shows, a backlog's drain, the frontend's arrivals."""
+"""Prefill sizing: the frontend's arrivals (or a queue's change) in engines, a backlog's drain, held KV."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from .decision import Signals, Sizing
 from .robust import robust_verdict
 from .state import PoolState
 from .trend import trend_slope
-from .verdict import verdict
-from .view import PoolView, capacity_unknown, needed_replicas, pool_trend
+from .view import PoolView, capacity_unknown
 
 
 def arrival_engines(view: PoolView, rate: float | None) -> float | None:
@@ -35,19 +34,20 @@ def arrival_engines(view: PoolView, rate: float | None) -> float | None:
 
 
 def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
-    """Prefill demand from the queue: the arrivals its latest change shows, in engines.
+    """Prefill demand: the work the arrivals bring, in engines at full load.
 
-    A saturated engine (a queue behind its pass) processes ``engine_rate`` tokens/s, measured from its
-    passes. The queue changes at (arrivals - what the saturated engines process): with the fleet that
-    change was made on, that gives the arrivals (``_prefill_arrivals``); the backlog expected when new
-    replicas are ready, drained in ``prefill_drain_s``, asks for more. Until a rate is measured, the
-    queue over ``context_length`` is the load, as upstream's.
+    With an arrival source, the frontend's prompt tokens per second at the pool's measured cost per token
+    (``arrival_engines``); without one, the engines saturated plus the queue's growth in engines (a saturated
+    engine processes ``engine_rate`` tokens/s, measured from its passes); before any rate is measured, the
+    queue over ``context_length`` (upstream's load). A backlog, sized to drain within ``demand_window_s``,
+    is wanted on top, outside the samples (it ends); so is KV held for peers that have not read it
+    (``EngineObs.held_kv_tokens``), until its lease ends.
     """
     pool, cfg = view.pool, view.cfg
     th = cfg.effective_thresholds()
     if (unknown := capacity_unknown(pool, "context_length")) is not None:
         return unknown, view.state
-    up, down, target = th.prefill_up, th.prefill_down, th.prefill_target
+    up, target = th.prefill_up, th.prefill_target
     queued = [float(e.record.queued_requests.sum_prefill_tokens) for e in pool.engines]
     # ``capacity_unknown`` held every engine without a context length above: ``or 1`` only narrows the type.
     loads = [q / (e.capacity.context_length or 1) for q, e in zip(queued, pool.engines, strict=True)]
@@ -58,105 +58,18 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
             r = s.sum_prefill_tokens / e.record.wall_time
             rate = r if rate is None else 0.8 * rate + 0.2 * r
     backlog = sum(queued)
-    samples = pool_trend(view, backlog, now)
-    # The queue's growth over the last interval, not over the whole trend window: a burst's first
-    # seconds must not be averaged with the quiet minute before it (the queue integrates arrivals,
-    # so two samples are enough).
-    recent = samples[-2:]
-    slope = trend_slope(recent)
-    st = replace(view.state, trend=samples, engine_rate=rate)
+    # The queue's growth since the previous decision: it integrates arrivals, so two samples are enough.
+    slope = trend_slope((*view.state.trend[-1:], (now, backlog)))
+    st = replace(view.state, trend=((now, backlog),), engine_rate=rate)
     sig = Signals(
         queued_prefill_tokens=int(backlog),
         engine_rate_tok_s=None if rate is None else round(rate, 1),
+        slope=round(slope, 3),
     )
-    saturated = sum(1 for ld in loads if ld >= up)
-    engines_then, saturated_then = view.state.prefill_engines or (len(loads), saturated)
-    st = replace(st, prefill_engines=(len(loads), saturated))
     busy = arrival_engines(view, rate)
+    saturated = sum(1 for ld in loads if ld >= up)
     if busy is not None:
         sig = replace(sig, arrival_engines=round(busy, 3))
-    if cfg.variance_sizing:
-        return _robust_prefill(view, st, now, loads, queued, rate, slope, busy, up, target, sig)
-    if rate is None or rate <= 0 or saturated == 0:
-        return verdict(view, loads, None, None, slope, up, down, target, sig, busy=busy), st
-    deficit = max(slope, 0.0) / rate
-    # Until the replicas already asked for serve, the queue keeps growing at this rate.
-    probe = view.state.startup_probe
-    lead = view.lead_s if probe is None else max(view.lead_s - (now - probe[0]), 0.0)
-    growth = min(max(slope, 0.0) * lead, cfg.projection_cap * max(backlog, 1.0) * 10)
-    # A queue that would wait longer than half the TTFT target needs more engines now, growing or not.
-    wait_s = max(queued) / rate
-    sig = replace(sig, queue_wait_s=round(wait_s, 3))
-    # Only while the queue is not shrinking and nothing is on its way: under round-robin routing a
-    # backlog stays on its engine, and the replicas asked for take new arrivals, not that backlog.
-    late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
-    demand = _prefill_arrivals(engines_then, saturated_then, saturated, slope / rate)
-    # Draining a backlog may at most double the fleet: under round-robin routing a backlog stays on
-    # the engines that hold it, so more engines beyond that only take new arrivals off them.
-    drain = min((backlog + growth) / (rate * cfg.prefill_drain_s), demand)
-    projected = demand + drain * target  # the drain term is already in engines at the target
-    sig = replace(sig, deficit_engines=round(deficit, 3), drain_engines=round(drain, 3))
-    sizing = verdict(view, loads, demand, projected, slope, up, down, target, sig, late=late, busy=busy)
-    if cfg.prefill_second_look and sizing.want == "up" and not late and saturated_then == 0:
-        # A queue the previous decision did not see, short of the TTFT target: a Poisson burst on a busy
-        # pool makes one (a steady 8 req/s of 8,000-token prompts on 2 engines: 30-70k tokens, 0.5-0.8 s,
-        # gone 5 s later); a pool that is short keeps it, and scales up one interval later.
-        why = sizing.why + f"; a {wait_s:.2f}s queue new since the last decision: scaling if it stays"
-        return replace(sizing, want="steady", why=why, needed=None), st
-    if not cfg.hold_prefill_drain and sizing.want == "up":
-        # The drain's replicas are for a backlog that ends: once it has drained, only the arrivals' need
-        # is held against a dip (docs/planner.md, "Sizing").
-        sizing = replace(sizing, held_need=needed_replicas(demand / target, pool))
-    return sizing, st
-
-
-def _prefill_arrivals(engines_then: int, saturated_then: int, saturated: int, queue_slope: float) -> float:
-    """Engines' worth of arrivals at the prefill pool, from the fleet its queue's latest change was made on.
-
-    ``queue_slope`` is that change in engines (tokens/s over one engine's rate). While the queue grows,
-    the engines then were all busy and the growth is a deficit on top: ``engines_then + queue_slope``.
-    While it shrinks, under round-robin routing each engine receives the same share of arrivals and only
-    the saturated ones' queues move, each by (its share - one engine): the pool receives
-    ``engines_then x (1 + queue_slope / saturated_then)``. Counting every engine publishing now as busy
-    instead reads a backlog left on the old engines as work for the new ones: on the fleet scale's peak,
-    38 engines read as 38 + 12.5 when 25 carried it (docs/planner.md). Never fewer than the engines
-    saturated now: a queue behind its pass keeps an engine busy. (Round-robin is the frontend's default
-    ``--router-mode``; under ``least-loaded`` or ``kv``, which send new arrivals to idle engines, this
-    reads low while the old ones drain and the pool holds: new engines that fall short saturate in turn,
-    and their growth reads.)
-    """
-    if queue_slope >= 0 or saturated_then <= 0:
-        arrivals = engines_then + max(queue_slope, 0.0)
-    else:
-        arrivals = engines_then * (1.0 + queue_slope / saturated_then)
-    return max(arrivals, float(saturated))
-
-
-def _robust_prefill(
-    view: PoolView,
-    st: PoolState,
-    now: float,
-    loads: list[float],
-    queued: list[float],
-    rate: float | None,
-    slope: float,
-    busy: float | None,
-    up: float,
-    target: float,
-    sig: Signals,
-) -> tuple[Sizing, PoolState]:
-    """Prefill demand for the variance-aware sizing: the work the arrivals bring, in engines.
-
-    With an arrival source, the frontend's prompt tokens per second at the pool's measured cost per token
-    (``arrival_engines``); without one, the engines saturated plus the queue's growth in engines (what the
-    queue's change shows); before any rate is measured, the queue over the context length (upstream's load).
-    A backlog is drained in ``prefill_drain_s`` on top, outside the samples: it ends; so is KV held for
-    peers that have not read it (``EngineObs.held_kv_tokens``), until its lease ends.
-    """
-    cfg = view.cfg
-    backlog = sum(queued)
-    saturated = sum(1 for ld in loads if ld >= up)
-    if busy is not None:
         demand = busy
     elif rate is not None and rate > 0:
         demand = float(saturated) + max(slope, 0.0) / rate
@@ -165,13 +78,13 @@ def _robust_prefill(
     drain = 0.0
     late = False
     if rate is not None and rate > 0 and backlog > 0:
-        drain = backlog / (rate * cfg.prefill_drain_s)
+        drain = backlog / (rate * cfg.demand_window_s)
         wait_s = max(queued) / rate
         sig = replace(sig, queue_wait_s=round(wait_s, 3), drain_engines=round(drain, 3))
         late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
     # KV the engines hold for peers that have not read it (a dead or slow decode worker) is capacity no new
     # prompt can use until the lease ends: the engines' worth of it is wanted on top while it lasts.
-    held = sum(e.held_kv_tokens / e.capacity.kv_tokens for e in view.pool.engines if e.capacity.kv_tokens)
+    held = sum(e.held_kv_tokens / e.capacity.kv_tokens for e in pool.engines if e.capacity.kv_tokens)
     extra, why = drain, "to drain the queue"
     if held > 0:
         sig = replace(sig, held_kv_engines=round(held, 3))

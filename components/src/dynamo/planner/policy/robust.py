@@ -7,7 +7,8 @@ demand (engines' worth of work at full load) joins a window of ``demand_window_s
 ``mean + headroom_sigmas x standard deviation`` of it at the engines' ``up`` load, so the headroom follows the
 traffic's own variability (little on smooth traffic, more on bursty). Every tick's recommendation is recorded,
 and a scale-down goes no lower than the highest recommendation within ``scale_down_stabilization_s`` (the
-Kubernetes HPA's scale-down stabilization), which ``rules.rule_load`` applies.
+Kubernetes HPA's scale-down stabilization), which ``rules.rule_load`` applies. A pool with no work at all for
+a whole demand window needs no replica: the stabilization then steps it down to its ``min_replicas``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from .decision import Signals, Sizing, summarise
+from .demand import engine_idle
+from .forecast import NONE, Forecast
 from .state import PoolState, Want
 from .trend import within_window
 from .view import PoolView, consolidated_load, needed_replicas, per_worker
 
-# A demand over the replicas' capacity by more than this share is answered at once, whatever the window
-# says (the Kubernetes HPA's default tolerance: within it, a one-tick excess waits for a second sample).
+# A need over the replicas counted by no more than this share does not scale up (the Kubernetes HPA's default
+# tolerance): a saturated engine with a few milliseconds of queue is not a shortage.
 TOLERANCE = 0.1
 
 
@@ -55,33 +58,39 @@ def robust_verdict(
     extra_why: str = "",
     late: bool = False,
     target: float | None = None,
-    growth: float = 0.0,
-    sustained: bool = False,
-    rising: bool = False,
+    forecast: Forecast = NONE,
 ) -> tuple[Sizing, PoolState]:
     """Up / down / steady from the window's robust level of demand (engines at full load).
 
-    The replicas needed carry the level (mean + ``headroom_sigmas`` x spread) at ``up``, the mean at
-    ``target`` (the utilisation an engine is sized for on average), a demand that has held for two
-    samples at ``up``, and today's demand at ``up`` plus the HPA's ``TOLERANCE`` (a step is answered at
-    once; a one-tick excess within the tolerance is not).
+    The replicas needed carry the level (mean + ``headroom_sigmas`` x spread) and today's demand at ``up``
+    (a step is answered at once), and the mean at ``target`` (the
+    utilisation an engine is sized for on average); a need within the HPA's ``TOLERANCE`` of the replicas
+    counted does not scale up.
     ``extra``: engines wanted on top for a while (a backlog's drain), outside the samples so that a
-    transient does not inflate the spread. ``growth``: the forecast's growth over a startup; today's
-    demand plus it is sized at ``target`` when the trend is ``sustained`` (out of the noise) or
-    ``rising`` (consistent) while the pool is short already. ``late``: a queue already waits too long,
-    so at least one replica more than counted.
+    transient does not inflate the spread. ``forecast``: its growth over a startup; today's demand plus it
+    is sized at ``target`` when the trend is sustained (out of the noise) or rising (consistent) while the
+    pool is short already. ``late``: a queue already waits too long, so at least one replica more than
+    counted. A pool idle (no work scheduled or queued on any engine) for ``demand_window_s`` needs none.
     """
     pool, cfg = view.pool, view.cfg
     cons, silent, _ = consolidated_load(loads, pool, up)
     silent_busy = max(silent - view.starting * per_worker(pool), 0.0)
     today = demand + silent_busy * up  # replicas that should publish and do not count as loaded
     samples = within_window(view.state.demand_window, cfg.demand_window_s, now, today)
-    st = replace(view.state, demand_window=samples)
+    idle = extra <= 0 and today <= 0 and all(engine_idle(e) for e in pool.engines)
+    idle_since = (view.state.idle_since if view.state.idle_since is not None else now) if idle else None
+    st = replace(view.state, demand_window=samples, idle_since=idle_since)
     mean, spread, level = robust_level(samples, cfg.headroom_sigmas)
-    held = min(v for _, v in samples[-2:])  # what the last two samples both show
-    base = max(level / up, held / up, today / (up * (1 + TOLERANCE)), mean / target if target else 0.0)
-    need = needed_replicas(base + max(extra, 0.0) / up, pool)
-    if growth > 0 and (sustained or (rising and need > view.replicas)):
+    base = max(level, today) / up + max(extra, 0.0) / up
+    base = max(base, mean / target if target else 0.0)
+    need = needed_replicas(base, pool)
+    if need > view.replicas and needed_replicas(base / (1 + TOLERANCE), pool) <= view.replicas:
+        need = view.replicas  # within the tolerance: the replicas counted carry it
+    idle_for = now - idle_since if idle_since is not None else 0.0
+    if idle_since is not None and idle_for >= cfg.demand_window_s:
+        need = 0
+    growth = forecast.growth
+    if growth > 0 and (forecast.sustained or (forecast.rising and need > view.replicas)):
         # The forecast sizes today's demand and its growth over a startup at the target, as a projection.
         need = max(need, needed_replicas((today + growth) / (target or up) + max(extra, 0.0) / up, pool))
         extra, extra_why = extra + growth, (extra_why + " and " if extra > 0 else "") + "forecast growth"
@@ -91,6 +100,7 @@ def robust_verdict(
         sig,
         loads=summarise(loads),
         up=up,
+        target=target,
         needed=need,
         demand_mean=round(mean, 4),
         demand_spread=round(spread, 4),
@@ -106,6 +116,8 @@ def robust_verdict(
     why += f" -> {need} replicas at {up:g}"
     if late:
         why += "; a queue waits over half the TTFT target"
+    if need == 0:
+        why += f"; no work for {idle_for:.0f}s"
     if silent_busy:
         why += f" ({silent_busy:g} silent engines counted at {up:g})"
     want: Want = "up" if need > view.replicas else "down" if need < view.replicas else "steady"

@@ -88,9 +88,7 @@ def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
     up = fl.target >= fl.previous
     reached = pool.workers >= fl.target if up else pool.workers <= fl.target
     if reached and (obs.settled or up or cfg.gpu_budget is None):
-        # Only a landing slower than ``late_landing_s`` is late (see ``rule_late_landing``).
-        late = up and cfg.late_landing_s is not None and now - fl.since >= cfg.late_landing_s
-        d.st = replace(d.st, in_flight=None, landed=(now, fl.previous) if late else None)
+        d.st = replace(d.st, in_flight=None)
         return
     if now - fl.since >= cfg.action_timeout_s:
         pc = cfg.pool(d.name)
@@ -103,7 +101,6 @@ def rule_in_flight(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
             d.st,
             in_flight=InFlight(running, fl.target, now),
             last_action_at=now,
-            down_since=None,
             startup_probe=None,
         )
         d.decide(running, reason, st, code="in_flight_abandoned")
@@ -167,75 +164,31 @@ def rule_mismatch(d: Draft, obs: Observation, cfg: PlannerConfig) -> int:
         d.hold(
             f"{pool.replicas} replicas but {pool.workers} workers publishing ({abs(missing)} {what}); "
             f"holding, {cfg.mismatch_grace_s - waited:.0f}s of grace left",
-            replace(d.st, down_since=None, idle_since=None),
             code="mismatch_grace",
         )
     return missing
 
 
-def rule_late_landing(d: Draft, obs: Observation, cfg: PlannerConfig) -> None:
-    """Replicas that landed after the load that asked for them had gone are not held by the stabilization.
-
-    The stabilization window keeps what the sizing needed so that a dip between two needs does not release
-    replicas the load wants back. A decode scale-up that took at least ``late_landing_s`` to land and
-    then, within one startup, finds the pool wanting down with its demand under ``decode_down`` times the
-    replicas it had before the ask answered a burst shorter than the startup: the needs recorded before
-    the landing are forgotten and the usual scale-down (window, step) follows. A faster startup keeps the
-    window's anti-flap role (a re-ask costs seconds); decode only, because an unsaturated prefill pool's
-    records cannot say how close to saturation it is; threshold targets only (``sla`` sizes no demand).
-    """
-    landed = d.st.landed
-    if landed is None or cfg.variance_sizing:
-        return
-    at, before = landed
-    s = d.sizing
-    if d.name != "decode" or obs.now - at > _lead(d.st, cfg):
-        d.st = replace(d.st, landed=None)
-        return
-    floor = cfg.effective_thresholds().decode_down * before  # what the replicas before it carry, well under
-    if s is not None and s.want == "down" and s.demand is not None and s.demand <= floor:
-        d.st = replace(d.st, landed=None, needs=tuple(x for x in d.st.needs if x[0] > at))
-        d.signals = replace(d.signals, late_landing_from=before)
-        why = f"; the scale-up from {before} landed after its load: not held by the stabilization"
-        d.sizing = replace(s, why=s.why + why)
-
-
 def rule_idle(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> None:
+    """No engine publishes: hold (silent replicas count as busy; starting ones are on their way).
+
+    A pool whose engines publish and have no work is not idle here: its sizing needs no replica after a
+    whole demand window of it, and the stabilization steps it down (``robust.robust_verdict``).
+    """
     s = d.sizing
     if s is None or s.want != "idle":
-        d.st = replace(d.st, idle_since=None)
         return
-    now, pc, cur = obs.now, cfg.pool(d.name), d.pool.replicas
+    pc, cur = cfg.pool(d.name), d.pool.replicas
     if missing > 0:
         # Silent replicas count as busy: a NATS outage must not read as "traffic stopped".
         d.hold(
             s.why + f"; {missing} of {cur} replicas not publishing count as busy, no scale-down",
-            replace(d.st, idle_since=None, down_since=None),
             code="idle_silent_busy",
         )
-        return
-    since = d.st.idle_since if d.st.idle_since is not None else now
-    st = replace(d.st, idle_since=since, down_since=None)
-    if cur <= pc.min_replicas:
-        d.hold(s.why + f"; at minimum {pc.min_replicas}", st, code="idle_at_min")
-    elif d.st.in_flight is not None:
-        d.hold(
-            s.why + "; a scale-up is still starting", st, desired=d.replicas, code="idle_scale_up_starting"
-        )
-    elif now - since >= cfg.idle_window_s:
-        to = max(cur - cfg.scale_down_step, pc.min_replicas)
-        d.decide(
-            to,
-            s.why + f" for {now - since:.0f}s; stepping down towards minimum {pc.min_replicas}",
-            st,
-            code="idle_step_down",
-        )
+    elif cur <= pc.min_replicas:
+        d.hold(s.why + f"; at minimum {pc.min_replicas}", code="idle_at_min")
     else:
-        d.hold(
-            s.why + f"; idle {now - since:.0f}s of {cfg.idle_window_s:g}s before stepping down",
-            st,
-            code="idle_wait",
-        )
+        d.hold(s.why + "; a scale-up is still starting", desired=d.replicas, code="idle_scale_up_starting")
 
 
 def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> None:
@@ -243,7 +196,6 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
     assert s is not None
     now, pc, cur = obs.now, cfg.pool(d.name), d.pool.replicas
     if s.want == "up":
-        d.st = replace(d.st, down_since=None)
         want = min(s.needed if s.needed is not None else d.replicas + 1, pc.max_replicas)
         if cfg.max_scale_up_step is not None:
             want = min(want, d.replicas + cfg.max_scale_up_step)
@@ -267,12 +219,7 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
         return
     if d.st.in_flight is not None:
         # A scale-up is still starting: never reverse it before it has landed.
-        d.hold(
-            d.reason + "; " + s.why,
-            replace(d.st, down_since=None),
-            desired=d.replicas,
-            code="load_up_starting",
-        )
+        d.hold(d.reason + "; " + s.why, desired=d.replicas, code="load_up_starting")
         return
     if s.want == "down":
         window = cfg.scale_down_stabilization_s
@@ -286,33 +233,21 @@ def rule_load(d: Draft, obs: Observation, cfg: PlannerConfig, missing: int) -> N
                 why = f"; the {recent} replicas found at the planner's first look {now - first:.0f}s ago"
             else:
                 why = f"; {recent} replicas were needed within {window:g}s"
-            d.hold(s.why + why + " (stabilization)", replace(d.st, down_since=None), code="load_stabilized")
+            d.hold(s.why + why + " (stabilization)", code="load_stabilized")
             return
         if missing > 0:
             d.hold(
                 s.why + f"; but {missing} replicas are not publishing (counted as busy), no scale-down",
-                replace(d.st, down_since=None),
                 code="load_silent_busy",
             )
             return
-        since = d.st.down_since if d.st.down_since is not None else now
-        st = replace(d.st, down_since=since)
         if cur <= pc.min_replicas:
-            d.hold(s.why + f"; at min_replicas {pc.min_replicas}", st, code="load_at_min")
-        elif now - since >= cfg.scale_down_window_s:
-            floor = max(pc.min_replicas, s.needed or 0, recent, cur - cfg.scale_down_step)
-            if floor >= cur:
-                d.hold(s.why + f"; {s.needed} replicas needed", st, code="load_needed")
-            else:
-                d.decide(floor, s.why + f"; wanted for {now - since:.0f}s", st, code="load_down")
-        else:
-            d.hold(
-                s.why + f"; wanted for {now - since:.0f}s of {cfg.scale_down_window_s:g}s",
-                st,
-                code="load_down_wait",
-            )
+            d.hold(s.why + f"; at min_replicas {pc.min_replicas}", code="load_at_min")
+            return
+        to = max(pc.min_replicas, s.needed or 0, recent, cur - cfg.scale_down_step)
+        d.decide(to, s.why + f"; {recent} replicas at most were needed within {window:g}s", code="load_down")
         return
-    d.hold(s.why, replace(d.st, down_since=None), code="sizing_hold" if s.want == "hold" else "load_steady")
+    d.hold(s.why, code="sizing_hold" if s.want == "hold" else "load_steady")
 
 
 def _probe_startup(st: PoolState, pool: PoolObs, now: float) -> PoolState:
@@ -362,12 +297,10 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     )
     sizing, d.st = pool_sizing(view, obs.now)
     d.sizing = sizing
-    if sizing.needed is not None and (sizing.want == "up" or cfg.variance_sizing):
-        held = sizing.needed if sizing.held_need is None else sizing.held_need
-        need = min(held, cfg.pool(name).max_replicas)
+    if sizing.needed is not None:
+        need = min(sizing.needed, cfg.pool(name).max_replicas)
         d.st = replace(d.st, needs=within_window(d.st.needs, cfg.scale_down_stabilization_s, obs.now, need))
     d.signals = replace(d.signals.merged(sizing.signals), want=sizing.want)
-    rule_late_landing(d, obs, cfg)
     rule_idle(d, obs, cfg, missing)
     if d.done:
         return d

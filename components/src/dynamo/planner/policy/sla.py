@@ -40,7 +40,7 @@ def sla_sizing(view: PoolView) -> Sizing:
         kv_over = False
     else:
         target = cfg.sla.itl_ms / 1000.0
-        demands = [decode_demand(e, cfg.transfer_bound_weight, 1.0) for e in engines]
+        demands = [decode_demand(e, 1.0) for e in engines]
         reqs = [dd.requests for dd in demands]
         kvs = [dd.tokens for dd in demands]
         a, b, c = fit.coef

@@ -25,12 +25,13 @@ class InFlight:
 
 @dataclass(frozen=True, slots=True)
 class PoolState:
-    down_since: float | None = None
+    # Since when no engine has had work scheduled or queued (``robust.robust_verdict``); None while busy.
     idle_since: float | None = None
     mismatch_since: float | None = None
     last_action_at: float | None = None
     in_flight: InFlight | None = None
-    # (time, demand) samples inside the trend window; demand in the pool's own unit (see Sizing).
+    # Decode with the forecast: (time, demand) samples inside ``forecast.window_s``. Prefill: the previous
+    # decision's (time, queued prompt tokens).
     trend: tuple[tuple[float, float], ...] = ()
     # Prefill: tokens/s one saturated engine processes (EWMA of its passes); None until seen.
     engine_rate: float | None = None
@@ -40,19 +41,12 @@ class PoolState:
     startup_probe: tuple[float, int] | None = None
     # (time, replicas the sizing asked for) inside the scale-down stabilization window.
     needs: tuple[tuple[float, int], ...] = ()
-    # Decode with ``decode_trend: held``: (time, what the engines hold) samples inside the trend window.
-    held_trend: tuple[tuple[float, float], ...] = ()
-    # The last scale-up's landing, for ``rule_late_landing``: (landed at, replicas before the ask).
-    landed: tuple[float, int] | None = None
     # When the pool's first decision recorded the fleet it found as a need (``rule_first_look``); None before.
     first_look_at: float | None = None
     first_look_replicas: int | None = None  # the replicas it found then
-    # Prefill: (engines publishing, engines saturated) at the previous sizing, the fleet the queue's
-    # latest change was made on.
-    prefill_engines: tuple[int, int] | None = None
-    # Decode, with arrivals: (time, requests per second the frontend admitted) inside the trend window,
-    # since the arrivals last resumed from none; and (time, requests the engines hold or queue) while
-    # every engine has been saturated (``_throughput_bound``).
+    # The forecast, with arrivals: (time, requests per second the frontend admitted) inside its window;
+    # and (time, requests the engines hold or queue) while every engine has been saturated
+    # (``forecast._throughput_bound``).
     arrival_trend: tuple[tuple[float, float], ...] = ()
     saturated_requests: tuple[tuple[float, float], ...] = ()
     # (time, demand in engines at full load) inside ``demand_window_s``: the variance-aware sizing's samples.

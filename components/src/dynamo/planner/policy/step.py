@@ -17,7 +17,7 @@ def _signals(d: Draft) -> Signals:
     s = d.sizing
     if s is None:
         return d.signals
-    return d.signals.merged(Signals(demand=s.demand, projected=s.projected, slope=s.slope))
+    return d.signals.merged(Signals(demand=s.demand, projected=s.projected))
 
 
 def decide(obs: Observation, state: PolicyState, cfg: PlannerConfig) -> tuple[Decision, PolicyState]:
@@ -25,7 +25,7 @@ def decide(obs: Observation, state: PolicyState, cfg: PlannerConfig) -> tuple[De
     drafts = {name: draft_pool(name, obs, state.pool(name), cfg) for name in POOLS}
     now = obs.now
     apply_interval_guard(drafts, state, cfg, now)
-    apply_decode_follows_prefill(drafts, cfg)
+    apply_decode_follows_prefill(drafts)
     apply_budget(drafts, cfg)
     decisions: dict[PoolName, PoolDecision] = {}
     new_state = state
@@ -39,7 +39,6 @@ def decide(obs: Observation, state: PolicyState, cfg: PlannerConfig) -> tuple[De
                 st,
                 in_flight=InFlight(d.desired, previous, now),
                 last_action_at=now,
-                down_since=None,
             )
             if d.action == "scale_up" and st.startup_probe is None:
                 # This ask's first replica is the one after everything already running or starting

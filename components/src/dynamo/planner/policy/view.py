@@ -9,7 +9,6 @@ from ..config import PlannerConfig
 from ..observations import Arrivals, PoolObs
 from .decision import Sizing
 from .state import PoolState
-from .trend import within_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +42,6 @@ def consolidated_load(loads: list[float], pool: PoolObs, up: float) -> tuple[flo
 def needed_replicas(engines_needed: float, pool: PoolObs) -> int:
     """Engines' worth of work -> whole replicas (a replica brings all its dp ranks)."""
     return max(1, math.ceil(engines_needed / per_worker(pool) - 1e-9))
-
-
-def pool_trend(view: PoolView, value: float, now: float) -> tuple[tuple[float, float], ...]:
-    """The pool's (time, value) samples inside ``trend_window_s``, with today's appended."""
-    return within_window(view.state.trend, view.cfg.trend_window_s, now, value)
 
 
 def capacity_unknown(pool: PoolObs, field: str) -> Sizing | None:
