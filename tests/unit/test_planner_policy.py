@@ -120,9 +120,14 @@ def test_prefill_backlog_scales_prefill_not_decode() -> None:
     d, _ = decide(obs(0.0, prefill, decode), PolicyState(), cfg)
     assert d.prefill.action == "scale_up" and d.prefill.desired == 2, d.prefill.reason
     assert d.prefill.signals.queue_wait_s == pytest.approx(8000 / 25_600, abs=1e-3)
+    # A short queue (60 ms of work) while the frontend's arrivals bring 0.8 engines' worth: one engine
+    # carries it, and the queue drains within the demand window.
     short = [rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=2, q_prefill_tokens=1500)]
-    d, _ = decide(obs(0.0, short, decode), PolicyState(), cfg)
-    assert d.prefill.action == "hold", d.prefill.reason
+    o = replace(obs(0.0, short, decode), arrivals=Arrivals(0.8 * 25.6, 1000.0, 5.0))
+    d, _ = decide(o, PolicyState(), cfg)
+    assert d.prefill.action == "hold" and d.prefill.signals.arrival_engines == pytest.approx(0.8), (
+        d.prefill.reason
+    )
     assert d.decode.action == "hold"
 
 

@@ -24,8 +24,8 @@ from .state import PoolState, Want
 from .trend import within_window
 from .view import PoolView, consolidated_load, needed_replicas, per_worker
 
-# A need over the replicas counted by no more than this share does not scale up (the Kubernetes HPA's default
-# tolerance): a saturated engine with a few milliseconds of queue is not a shortage.
+# A demand over the replicas' capacity by more than this share is answered at once, whatever the window
+# says (the Kubernetes HPA's default tolerance: within it, a one-tick excess waits for a second sample).
 TOLERANCE = 0.1
 
 
@@ -62,10 +62,10 @@ def robust_verdict(
 ) -> tuple[Sizing, PoolState]:
     """Up / down / steady from the window's robust level of demand (engines at full load).
 
-    The replicas needed carry the level (mean + ``headroom_sigmas`` x spread) and today's demand at ``up``
-    (a step is answered at once), and the mean at ``target`` (the
-    utilisation an engine is sized for on average); a need within the HPA's ``TOLERANCE`` of the replicas
-    counted does not scale up.
+    The replicas needed carry the level (mean + ``headroom_sigmas`` x spread) at ``up``, the mean at
+    ``target`` (the utilisation an engine is sized for on average), a demand that has held for two
+    samples at ``up``, and today's demand at ``up`` plus the HPA's ``TOLERANCE`` (a step is answered at
+    once; a one-tick excess within the tolerance is not).
     ``extra``: engines wanted on top for a while (a backlog's drain), outside the samples so that a
     transient does not inflate the spread. ``forecast``: its growth over a startup; today's demand plus it
     is sized at ``target`` when the trend is sustained (out of the noise) or rising (consistent) while the
@@ -81,11 +81,9 @@ def robust_verdict(
     idle_since = (view.state.idle_since if view.state.idle_since is not None else now) if idle else None
     st = replace(view.state, demand_window=samples, idle_since=idle_since)
     mean, spread, level = robust_level(samples, cfg.headroom_sigmas)
-    base = max(level, today) / up + max(extra, 0.0) / up
-    base = max(base, mean / target if target else 0.0)
-    need = needed_replicas(base, pool)
-    if need > view.replicas and needed_replicas(base / (1 + TOLERANCE), pool) <= view.replicas:
-        need = view.replicas  # within the tolerance: the replicas counted carry it
+    held = min(v for _, v in samples[-2:])  # what the last two samples both show
+    base = max(level / up, held / up, today / (up * (1 + TOLERANCE)), mean / target if target else 0.0)
+    need = needed_replicas(base + max(extra, 0.0) / up, pool)
     idle_for = now - idle_since if idle_since is not None else 0.0
     if idle_since is not None and idle_for >= cfg.demand_window_s:
         need = 0

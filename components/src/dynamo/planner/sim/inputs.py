@@ -19,11 +19,12 @@ DEFAULT_ENGINE: dict[str, Any] = {"num_gpu_blocks": 8192, "max_num_seqs": 64, "m
 DEFAULT_STARTUP_S = 60.0
 
 
-# Per-run noise at INFO: Dynamo's KV router logs one line per routed request and pool (about 40,000 for an
-# hour of the conversation trace), the mocker one per engine it starts. The runtime reads DYN_LOG once, when
-# ``dynamo._core`` is first imported.
+# Per-run noise: Dynamo's KV router logs one INFO line per routed request and pool (about 40,000 for an hour
+# of the conversation trace) and a WARN per worker a scale-down removes, the mocker one INFO line per engine
+# it starts. The runtime reads DYN_LOG once, when ``dynamo._core`` is first imported.
 SIMULATOR_LOG_DIRECTIVES = (
-    "dynamo_kv_router::scheduling::selector=warn,aisimulate_core::engine::kv_manager=warn"
+    "dynamo_kv_router::scheduling::selector=warn,dynamo_kv_router::sequences::multi_worker=error,"
+    "aisimulate_core::engine::kv_manager=warn"
 )
 
 
