@@ -1,4 +1,5 @@
-"""What a client of the real 1.6.1 frontend sees when a decode worker's KV read failed.
+"""What a client of the real 1.6.1 frontend sees when a decode worker's KV read failed, and when a worker
+stops answering a request it acknowledged.
 
 The worker's ``RequestHandler`` (decode mode; the engine is a stand-in that ends the request the way vLLM does
 when the read failed: finish reason ``error``) is served on a real runtime endpoint behind a real
@@ -6,20 +7,27 @@ when the read failed: finish reason ``error``) is served on a real runtime endpo
 <peer>")``; the frontend keeps the text of a 5xx out of the client's answer (upstream's policy: a backend's
 5xx text stays in the frontend's log), so the stage reaches the client as the number 502 only:
 ``details.backend_status`` without streaming, the SSE error frame's ``code`` with streaming.
+
+A worker that hangs (SIGSTOP, a stuck engine) after acknowledging a request leaves it in flight for good
+unless the frontend runs with upstream's ``DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS`` (unset by default): with it
+the request ends with HTTP 504 once the answer was silent that long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dynamo.common.ports import free_port
-from dynamo_fpm_testing.worker_support import base_env, http_json, start_frontend, wait_until
+from dynamo_fpm_testing.stall_meter import running_s
+from dynamo_fpm_testing.worker_support import Proc, base_env, http_json, start_frontend, wait_until
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.runtime
@@ -50,13 +58,18 @@ def _sse_error(raw: str) -> dict[str, Any]:
     raise AssertionError(f"no SSE error frame in {raw!r}")
 
 
-async def test_a_failed_kv_read_reaches_the_client_as_status_502(
-    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@contextlib.asynccontextmanager
+async def _served(
+    tmp_path: Path,
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    serve: Any,
+    **frontend_env: str,
+) -> AsyncIterator[tuple[str, Proc]]:
+    """A real frontend (its own process) and ``serve`` on a runtime endpoint in this process, registered as an
+    aggregated worker of the model ``tiny``: (base URL, the frontend) once the model is ready."""
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
-    from dynamo.vllm.drain import InflightTracker
-    from dynamo.vllm.handlers import KV_TRANSFER_FAILED, RequestHandler
 
     discovery = tmp_path / "discovery"
     discovery.mkdir()
@@ -67,16 +80,8 @@ async def test_a_failed_kv_read_reaches_the_client_as_status_502(
         monkeypatch.setenv(key, value)
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    frontend = start_frontend(port, env, tmp_path / "frontend.log")
+    frontend = start_frontend(port, {**env, **frontend_env}, tmp_path / "frontend.log")
     runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
-    handler = RequestHandler(_FailedReadEngine(), "decode", InflightTracker(), 100)
-
-    async def serve(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
-        # The decode request of disaggregated serving: the frontend adds the prefill worker's KV parameters.
-        request = {**request, "prefill_result": {"disaggregated_params": {"kv_transfer_params": KV}}}
-        async for frame in handler.generate(request, context):
-            yield frame
-
     endpoint = runtime.endpoint("dynamo.backend.generate")
     serving = asyncio.ensure_future(endpoint.serve_endpoint(serve))
     try:
@@ -85,17 +90,38 @@ async def test_a_failed_kv_read_reaches_the_client_as_status_502(
             ModelInput.Tokens,
             ModelType.Completions,
             endpoint,
-            str(tiny_model_dir),
+            str(model_dir),
             "tiny",
             worker_type=WorkerType.Aggregated,
             kv_cache_block_size=32,
         )
-        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
-        url = f"{base_url}/v1/completions"
         await asyncio.to_thread(
             wait_until, lambda: http_json(f"{base_url}/v1/models/tiny/ready", timeout=5)[0] == 200, 60
         )
+        yield base_url, frontend
+    finally:
+        serving.cancel()
+        runtime.shutdown()
+        frontend.stop()
 
+
+async def test_a_failed_kv_read_reaches_the_client_as_status_502(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dynamo.vllm.drain import InflightTracker
+    from dynamo.vllm.handlers import KV_TRANSFER_FAILED, RequestHandler
+
+    handler = RequestHandler(_FailedReadEngine(), "decode", InflightTracker(), 100)
+
+    async def serve(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        # The decode request of disaggregated serving: the frontend adds the prefill worker's KV parameters.
+        request = {**request, "prefill_result": {"disaggregated_params": {"kv_transfer_params": KV}}}
+        async for frame in handler.generate(request, context):
+            yield frame
+
+    async with _served(tmp_path, tiny_model_dir, monkeypatch, serve) as (base_url, frontend):
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+        url = f"{base_url}/v1/completions"
         status, answer = await asyncio.to_thread(http_json, url, body, 30)
         assert status == 500, answer
         assert answer["message"] == "Internal server error" and answer["details"] == {"backend_status": 502}
@@ -107,7 +133,33 @@ async def test_a_failed_kv_read_reaches_the_client_as_status_502(
         # The text, with the peer, is in the frontend's log (and the worker's one line per failed request).
         logged = f"{KV_TRANSFER_FAILED}: {PEER}"
         await asyncio.to_thread(wait_until, lambda: frontend.log().count(logged) >= 2, 10)
-    finally:
-        serving.cancel()
-        runtime.shutdown()
-        frontend.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_a_silent_acknowledged_request_ends_at_the_frontends_stream_timeout(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The worker takes the request and never answers (as a worker stopped mid-request does): the frontend
+    ends it after ``DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS`` with 504 (and quarantines the worker)."""
+    timeout_s = 2
+    taken: list[float] = []
+
+    async def serve(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        taken.append(time.monotonic())
+        await asyncio.sleep(3600)
+        yield {}
+
+    async with _served(
+        tmp_path, tiny_model_dir, monkeypatch, serve, DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS=str(timeout_s)
+    ) as (base_url, _):
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
+        url = f"{base_url}/v1/completions"
+        sent = time.monotonic()
+        status, answer = await asyncio.to_thread(http_json, url, {**body, "stream": stream}, 60)
+        took = running_s(sent, time.monotonic())
+        assert taken and taken[-1] >= sent  # acknowledged: the worker had it
+        assert timeout_s - 0.5 <= took <= timeout_s + 10, took
+        if stream:
+            assert status == 200 and _sse_error(answer)["code"] == 504, answer
+        else:
+            assert status == 504 and answer["message"] == "Request deadline exceeded", answer
