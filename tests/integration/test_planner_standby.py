@@ -373,6 +373,7 @@ def test_standby_options_are_validated() -> None:
             }
         )
     assert cfg.local.hung_after_s == 30.0
-    assert config_from_mapping({**base, "local": {**base["local"], "hung_after_s": 0}}).local.hung_after_s == 0
+    off = config_from_mapping({**base, "local": {**base["local"], "hung_after_s": 0}})
+    assert off.local.hung_after_s == 0
     with pytest.raises(ConfigError, match=r"local\.hung_after_s: must be >= 0"):
         config_from_mapping({**base, "local": {**base["local"], "hung_after_s": -1}})

@@ -9,8 +9,9 @@ when the read failed: finish reason ``error``) is served on a real runtime endpo
 ``details.backend_status`` without streaming, the SSE error frame's ``code`` with streaming.
 
 A worker that hangs (SIGSTOP, a stuck engine) after acknowledging a request leaves it in flight for good
-unless the frontend runs with upstream's ``DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS`` (unset by default): with it
-the request ends with HTTP 504 once the answer was silent that long.
+unless the frontend runs with upstream's ``DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS`` (unset upstream; our
+launcher sets 300 s): with it the request ends with HTTP 504 once the answer was silent that long, while an
+answer that keeps sending frames is never cut, however long it takes.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ async def test_a_failed_kv_read_reaches_the_client_as_status_502(
             yield frame
 
     async with _served(tmp_path, tiny_model_dir, monkeypatch, serve) as (base_url, frontend):
+        # Unset here: our launcher's default bounds a silent answer (dynamo.frontend.main).
+        assert "DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS=300)" in frontend.log()
         body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
         url = f"{base_url}/v1/completions"
         status, answer = await asyncio.to_thread(http_json, url, body, 30)
@@ -163,3 +166,36 @@ async def test_a_silent_acknowledged_request_ends_at_the_frontends_stream_timeou
             assert status == 200 and _sse_error(answer)["code"] == 504, answer
         else:
             assert status == 504 and answer["message"] == "Request deadline exceeded", answer
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_the_stream_timeout_bounds_silence_not_the_whole_answer(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """A worker that sends a token every ``gap_s`` (below the timeout) for longer than twice the timeout (the
+    HTTP layer's own bound is twice the value): the answer completes. The 1.6.1 runtime's bound restarts at
+    every frame, which is why the launcher can default it without cutting long generations."""
+    timeout_s, gap_s, tokens = 4, 1.0, 10
+
+    async def serve(request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        for i in range(tokens):
+            await asyncio.sleep(gap_s)
+            frame: dict[str, Any] = {"token_ids": [100 + i]}
+            if i == tokens - 1:
+                frame["finish_reason"] = "length"
+            yield frame
+
+    async with _served(
+        tmp_path, tiny_model_dir, monkeypatch, serve, DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS=str(timeout_s)
+    ) as (base_url, _):
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": tokens, "stream": stream}
+        sent = time.monotonic()
+        status, answer = await asyncio.to_thread(http_json, f"{base_url}/v1/completions", body, 60)
+        took = time.monotonic() - sent
+        assert status == 200, answer
+        assert took > 2 * timeout_s, took  # longer than either layer's bound, had it been a total
+        if stream:
+            assert "data: [DONE]" in answer and '"error"' not in answer, answer
+            assert '"finish_reason":"length"' in answer.replace(" ", ""), answer
+        else:
+            assert answer["choices"][0]["finish_reason"] == "length", answer

@@ -813,6 +813,18 @@ def test_frontend_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert exc.value.code == 2
 
 
+def test_frontend_defaults_the_backend_stream_timeout() -> None:
+    from dynamo.frontend import main as fe
+
+    env: dict[str, str] = {}
+    assert fe.default_stream_timeout(env) == "300" and env == {fe.STREAM_TIMEOUT_ENV: "300"}
+    for given in ("0", "45"):  # an operator's value is kept, 0 (no bound) included
+        env = {fe.STREAM_TIMEOUT_ENV: given}
+        assert fe.default_stream_timeout(env) == given and env == {fe.STREAM_TIMEOUT_ENV: given}
+    env = {fe.STREAM_TIMEOUT_ENV: ""}
+    assert fe.default_stream_timeout(env) == "300"
+
+
 def test_standby_options_are_read_before_argparse(tmp_path: Path) -> None:
     from dynamo.common import worker_state as ws
     from dynamo.vllm.standby import StandbyControl, early_options
