@@ -9,8 +9,8 @@
 2. The prefill worker hangs (SIGSTOP to its process group) under load: every request in flight ends within
    a bound (the request plane's acknowledgement timeout, the frontend's stream timeout), the decode worker
    serves alone once the frontend dropped the hung worker, the planner holds the prefill pool for its mismatch
-   grace (a replica that publishes nothing) and asks for no decode replica; the worker is resumed (SIGCONT),
-   registers again and serves, and is then killed: the planner's standby replaces it.
+   grace (a replica that publishes nothing) and asks for no decode replica; the planner's connector kills the
+   stopped worker after ``local.hung_after_s`` and the planner promotes its warm standby, which serves.
 3. The decode worker is stopped mid-transfer (SIGSTOP: the prompts' KV is computed and held on the
    prefill side, never read) and then killed: the prefill worker's FPM records carry the held KV from the
    record of the pass that computed it, and its release when the KV lease (``LEASE_S``) ends.
@@ -71,10 +71,18 @@ TCP_REQUEST_TIMEOUT_S = 5
 STREAM_TIMEOUT_S = 30
 HUNG_BOUND_S = STREAM_TIMEOUT_S + 5
 HUNG_SERVED_S = 6
+# The planner's connector kills a worker seen stopped for HUNG_AFTER_S (``local.hung_after_s``; it looks
+# at every tick, INTERVAL_S): the kill comes HUNG_AFTER_S to HUNG_AFTER_S + 2 ticks after the stop, past the
+# frontend dropping the worker (10-12 s) and the planner's mismatch_grace decisions, and the promoted warm
+# standby serves within REPLACED_BOUND_S of the stop.
+INTERVAL_S = 2
+HUNG_AFTER_S = 20
+KILLED_BOUND_S = HUNG_AFTER_S + 2 * INTERVAL_S + 3
+REPLACED_BOUND_S = HUNG_AFTER_S + 20
 PLANNER_CONFIG = {
     "prefill": {"min_replicas": 1, "max_replicas": 2},
     "decode": {"min_replicas": 1, "max_replicas": 2},
-    "local": {"standby_prefill": 1},
+    "local": {"standby_prefill": 1, "hung_after_s": HUNG_AFTER_S},
 }
 
 
@@ -161,6 +169,20 @@ def _kill_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
+def _events(log_dir: Path, event: str) -> list[dict[str, Any]]:
+    """The ``local`` connector's events of one kind (``local-connector-events.jsonl``)."""
+    lines = (log_dir / "local-connector-events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == event]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _decisions(planner: Proc) -> list[dict[str, Any]]:
     out = []
     for line in planner.log().splitlines():
@@ -213,7 +235,7 @@ async def test_prefill_and_decode_worker_faults(
     planner = Proc(
         [
             sys.executable, "-m", "dynamo.planner", "--connector", "local", "--namespace", "dynamo",
-            "--interval", "2", "--json", "--log-dir", str(log_dir),
+            "--interval", str(INTERVAL_S), "--json", "--log-dir", str(log_dir),
             "--prefill-command", _worker_command(tiny_model_dir, "prefill"),
             "--decode-command", _worker_command(tiny_model_dir, "decode"),
             "--config", json.dumps(PLANNER_CONFIG),
@@ -282,6 +304,9 @@ async def test_prefill_and_decode_worker_faults(
 
         # ---- 2. the prefill worker hangs (SIGSTOP to its process group) under load -------------------------
         (hung,) = _serving(log_dir, "prefill")
+        # The standby started when phase 1 promoted the last one is warm: the replacement's bound holds.
+        wait_until(lambda: _serving(log_dir, "prefill", "standby"), timeout=420, procs=procs)
+        (standby,) = _serving(log_dir, "prefill", "standby")
         load_started = time.monotonic()
         load = Load(base_url, timeout_s=HUNG_BOUND_S + 30).start()
         wait_until(lambda: len(load.results) >= 3, timeout=60, procs=procs)
@@ -291,16 +316,37 @@ async def test_prefill_and_decode_worker_faults(
         wait_until(lambda: _present(base_url) == ["decode"], timeout=60, procs=procs)
         dropped_at = time.monotonic()
         wait_until(lambda: running_s(dropped_at, time.monotonic()) >= HUNG_SERVED_S, HUNG_SERVED_S + 5)
+        load.stop.set()
+        # The planner's connector kills it (its process group) after hung_after_s; nobody here does.
+        wait_until(lambda: not _alive(hung["pid"]), timeout=KILLED_BOUND_S + 30, procs=procs)
+        killed_s = running_s(hung_at, time.monotonic())
+        # ... and the planner promotes the warm standby, which serves prefill again.
+        wait_until(
+            lambda: (
+                [w["index"] for w in _serving(log_dir, "prefill")] == [standby["index"]]
+                and _present(base_url) == ["decode", "prefill"]
+            ),
+            timeout=60,
+            procs=procs,
+        )
+        replaced_s = running_s(hung_at, time.monotonic())
         results = load.finish()
-        while_hung = [d for d in _decisions(planner) if d["ts"] >= hung_wall]
-        _kill_group(hung["pid"], signal.SIGCONT)
+        assert http_json(f"{base_url}/v1/completions", body, timeout=120)[0] == 200
+        assert "request received" in Path(standby["log_path"]).read_text()
+        since_stop = [d for d in _decisions(planner) if d["ts"] >= hung_wall]
         ended = [(round(t - hung_at, 2), round(running_s(t, e), 2), c) for t, e, c in results if t >= hung_at]
         dropped_s = running_s(hung_at, dropped_at)
+        (hung_event,) = [e for e in _events(log_dir, "hung") if e["index"] == hung["index"]]
         print(
-            f"prefill worker hung: dropped by the frontend {dropped_s:.1f} s after the SIGSTOP; "
-            f"{len(ended)} requests sent after it; (sent s, took s, status): {ended}"
+            f"prefill worker hung: dropped by the frontend {dropped_s:.1f} s after the SIGSTOP; killed by "
+            f"the planner's connector {hung_event['t'] - hung_wall:.1f} s after it (seen {killed_s:.1f} s), "
+            f"its standby serving {replaced_s:.1f} s after it; {len(ended)} requests sent after the stop; "
+            f"(sent s, took s, status): {ended}"
         )
-        print("planner while hung:", [(d["pool"], d["current"], d["desired"], d["code"]) for d in while_hung])
+        print(
+            "planner since the stop:",
+            [(d["pool"], d["current"], d["desired"], d["code"]) for d in since_stop],
+        )
         # No request stays in flight: each ends (answered or refused) within the bound ...
         assert len(ended) == len([t for t in load.sent if t >= hung_at]), (len(load.sent), ended)
         assert max(took for _, took, _ in ended) <= HUNG_BOUND_S, ended
@@ -309,27 +355,19 @@ async def test_prefill_and_decode_worker_faults(
         # ... and once the frontend dropped it, the decode worker serves alone.
         late = [st for s, _, st in results if s >= dropped_at + 1.0]
         assert len(late) >= 3 and all(st == 200 for st in late), ended
-        # The planner: the hung worker's process lives, so its connector still counts the replica; its records
-        # stopped, so the prefill pool holds ("1 replicas but 0 workers publishing") for the mismatch grace;
-        # no decode replica is asked for.
-        assert any(d["pool"] == "prefill" and d["code"] == "mismatch_grace" for d in while_hung), while_hung
+        # The planner: while the stopped worker's process lived, its connector counted the replica; its
+        # records stopped, so the prefill pool held ("1 replicas but 0 workers publishing") for the mismatch
+        # grace. Its connector killed the worker no sooner than hung_after_s and within two ticks after
+        # (running time), the pool was short and its standby was promoted; no decode replica was asked for.
+        assert any(d["pool"] == "prefill" and d["code"] == "mismatch_grace" for d in since_stop), since_stop
+        assert "stopped by a signal (state T)" in hung_event["reason"], hung_event
+        assert hung_event["t"] - hung_wall >= HUNG_AFTER_S - 0.5 and killed_s <= KILLED_BOUND_S, killed_s
+        assert replaced_s <= REPLACED_BOUND_S, replaced_s
+        assert any(
+            d["pool"] == "prefill" and d["current"] == 0 and d["desired"] >= 1 and d["ts"] >= hung_event["t"]
+            for d in since_stop
+        ), since_stop[-6:]
         assert not [d for d in _decisions(planner) if d["pool"] == "decode" and d["desired"] > 1]
-        # The resumed worker registers again and serves prefill. The requests it received while stopped were
-        # given up by the frontend; one it ran before its abort reached it holds KV until the lease ends,
-        # which the next phase must not read as its own: the worker is killed and the planner's standby
-        # takes over, as after phase 1.
-        wait_until(lambda: _present(base_url) == ["decode", "prefill"], timeout=60, procs=procs)
-        assert http_json(f"{base_url}/v1/completions", body, timeout=120)[0] == 200
-        _kill_group(hung["pid"], signal.SIGKILL)
-        wait_until(
-            lambda: (
-                [w["index"] for w in _serving(log_dir, "prefill")] not in ([], [hung["index"]])
-                and _present(base_url) == ["decode", "prefill"]
-            ),
-            timeout=420,
-            procs=procs,
-        )
-        assert http_json(f"{base_url}/v1/completions", body, timeout=120)[0] == 200
         print(f"the hung-worker phase took {running_s(load_started, time.monotonic()):.0f} s of running time")
 
         # ---- 3. the decode worker dies mid-transfer --------------------------------------------------------
