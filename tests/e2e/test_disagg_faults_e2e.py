@@ -4,9 +4,14 @@
 1. The only prefill worker is killed (SIGKILL to its process group) under load: the decode worker serves the
    requests that arrive afterwards end to end (local prefill, ``--local-prefill``) until the planner's new
    prefill worker (its warm standby, promoted) registers, and the stack is disaggregated again without a
-   restart. The planner asks for the
-   prefill replica (``below min_replicas``) and never for a second decode worker.
-2. The decode worker is stopped mid-transfer (SIGSTOP: the prompts' KV is computed and held on the
+   restart. The planner asks for the prefill replica (``below min_replicas``) and never for a second decode
+   worker.
+2. The prefill worker hangs (SIGSTOP to its process group) under load: every request in flight ends within
+   a bound (the request plane's acknowledgement timeout, the frontend's stream timeout), the decode worker
+   serves alone once the frontend dropped the hung worker, the planner holds the prefill pool for its mismatch
+   grace (a replica that publishes nothing) and asks for no decode replica; the planner's connector kills the
+   stopped worker after ``local.hung_after_s`` and the planner promotes its warm standby, which serves.
+3. The decode worker is stopped mid-transfer (SIGSTOP: the prompts' KV is computed and held on the
    prefill side, never read) and then killed: the prefill worker's FPM records carry the held KV from the
    record of the pass that computed it, and its release when the KV lease (``LEASE_S``) ends.
 """
@@ -55,10 +60,29 @@ LEASE_S = 20
 # GPU host (the issue's probe: 26 s), so the share is what clients see until a new prefill worker registers.
 # What fails is the first 0.2-0.6 s, until the decode worker's reaper removed the dead worker from discovery.
 WINDOW_S = 30
+# A SIGSTOP-hung prefill worker. A request it has not acknowledged fails after the request plane's
+# DYN_TCP_REQUEST_TIMEOUT (upstream's default, 5 s: HTTP 504); one it acknowledged before the stop would wait
+# for its answer forever unless the frontend's DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS (unset upstream) ends it
+# (504, the worker quarantined): the test's frontend runs with STREAM_TIMEOUT_S, above the slowest first pull
+# of a new pair on these hosts (docs/disaggregation.md, "Hosts that stall"). Every request in flight ends
+# within HUNG_BOUND_S; the load is kept on for HUNG_SERVED_S after the frontend dropped the worker (its
+# discovery lease ran out: decode-only serving).
+TCP_REQUEST_TIMEOUT_S = 5
+STREAM_TIMEOUT_S = 30
+HUNG_BOUND_S = STREAM_TIMEOUT_S + 5
+HUNG_SERVED_S = 6
+# The planner's connector kills a worker seen stopped for HUNG_AFTER_S (``local.hung_after_s``; it looks
+# at every tick, INTERVAL_S): the kill comes HUNG_AFTER_S to HUNG_AFTER_S + 2 ticks after the stop, past the
+# frontend dropping the worker (10-12 s) and the planner's mismatch_grace decisions, and the promoted warm
+# standby serves within REPLACED_BOUND_S of the stop.
+INTERVAL_S = 2
+HUNG_AFTER_S = 20
+KILLED_BOUND_S = HUNG_AFTER_S + 2 * INTERVAL_S + 3
+REPLACED_BOUND_S = HUNG_AFTER_S + 20
 PLANNER_CONFIG = {
     "prefill": {"min_replicas": 1, "max_replicas": 2},
     "decode": {"min_replicas": 1, "max_replicas": 2},
-    "local": {"standby_prefill": 1},
+    "local": {"standby_prefill": 1, "hung_after_s": HUNG_AFTER_S},
 }
 
 
@@ -80,6 +104,8 @@ class Load:
 
     base_url: str
     period_s: float = 0.2
+    timeout_s: float = 60.0
+    sent: list[float] = field(default_factory=list)
     results: list[tuple[float, float, int]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -93,7 +119,11 @@ class Load:
     def _one(self) -> None:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
         sent = time.monotonic()
-        status, _ = http_json(f"{self.base_url}/v1/completions", body, timeout=60)
+        self.sent.append(sent)
+        try:
+            status, _ = http_json(f"{self.base_url}/v1/completions", body, timeout=self.timeout_s)
+        except OSError:  # no answer within timeout_s: still in flight
+            return
         self.results.append((sent, time.monotonic(), status))
 
     def _run(self) -> None:
@@ -105,7 +135,7 @@ class Load:
     def finish(self) -> list[tuple[float, float, int]]:
         self.stop.set()
         for thread in list(self.threads):
-            thread.join(timeout=90)
+            thread.join(timeout=self.timeout_s + 30)
         return list(self.results)
 
 
@@ -137,6 +167,20 @@ def _present(base_url: str) -> list[str]:
 def _kill_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
+
+
+def _events(log_dir: Path, event: str) -> list[dict[str, Any]]:
+    """The ``local`` connector's events of one kind (``local-connector-events.jsonl``)."""
+    lines = (log_dir / "local-connector-events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == event]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _decisions(planner: Proc) -> list[dict[str, Any]]:
@@ -186,11 +230,12 @@ async def test_prefill_and_decode_worker_faults(
     env = base_env(file_kv, nats_server.url)
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    frontend = start_frontend(port, env, tmp_path / "frontend.log")
+    frontend_env = {**env, "DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS": str(STREAM_TIMEOUT_S)}
+    frontend = start_frontend(port, frontend_env, tmp_path / "frontend.log")
     planner = Proc(
         [
             sys.executable, "-m", "dynamo.planner", "--connector", "local", "--namespace", "dynamo",
-            "--interval", "2", "--json", "--log-dir", str(log_dir),
+            "--interval", str(INTERVAL_S), "--json", "--log-dir", str(log_dir),
             "--prefill-command", _worker_command(tiny_model_dir, "prefill"),
             "--decode-command", _worker_command(tiny_model_dir, "decode"),
             "--config", json.dumps(PLANNER_CONFIG),
@@ -240,7 +285,8 @@ async def test_prefill_and_decode_worker_faults(
         print(
             f"prefill worker killed: {ok}/{len(after)} requests sent in the {window_s:.1f} s after the kill "
             f"served; the new prefill worker served {back_s:.1f} s after the kill; "
-            f"stack ready in {ready_s:.0f} s"
+            f"stack ready in {ready_s:.0f} s; failed (s after the kill, status): "
+            f"{[(round(t - killed_at, 2), c) for t, _, c in results if killed_at <= t <= until and c != 200]}"
         )
         assert len(after) >= 30, results
         assert ok >= 0.95 * len(after), [
@@ -256,10 +302,86 @@ async def test_prefill_and_decode_worker_faults(
         assert not [d for d in decisions if d["pool"] == "decode" and d["desired"] > 1]
         assert _present(base_url) == ["decode", "prefill"]
 
-        # ---- 2. the decode worker dies mid-transfer --------------------------------------------------------
+        # ---- 2. the prefill worker hangs (SIGSTOP to its process group) under load -------------------------
+        (hung,) = _serving(log_dir, "prefill")
+        # The standby started when phase 1 promoted the last one is warm: the replacement's bound holds.
+        wait_until(lambda: _serving(log_dir, "prefill", "standby"), timeout=420, procs=procs)
+        (standby,) = _serving(log_dir, "prefill", "standby")
+        load_started = time.monotonic()
+        load = Load(base_url, timeout_s=HUNG_BOUND_S + 30).start()
+        wait_until(lambda: len(load.results) >= 3, timeout=60, procs=procs)
+        hung_at, hung_wall = time.monotonic(), time.time()
+        _kill_group(hung["pid"], signal.SIGSTOP)
+        # The frontend drops the hung worker when its discovery lease runs out: decode-only serving.
+        wait_until(lambda: _present(base_url) == ["decode"], timeout=60, procs=procs)
+        dropped_at = time.monotonic()
+        wait_until(lambda: running_s(dropped_at, time.monotonic()) >= HUNG_SERVED_S, HUNG_SERVED_S + 5)
+        load.stop.set()
+        # The planner's connector kills it (its process group) after hung_after_s; nobody here does.
+        wait_until(lambda: not _alive(hung["pid"]), timeout=KILLED_BOUND_S + 30, procs=procs)
+        killed_s = running_s(hung_at, time.monotonic())
+        # ... and the planner promotes the warm standby, which serves prefill again.
+        wait_until(
+            lambda: (
+                [w["index"] for w in _serving(log_dir, "prefill")] == [standby["index"]]
+                and _present(base_url) == ["decode", "prefill"]
+            ),
+            timeout=60,
+            procs=procs,
+        )
+        replaced_s = running_s(hung_at, time.monotonic())
+        results = load.finish()
+        assert http_json(f"{base_url}/v1/completions", body, timeout=120)[0] == 200
+        assert "request received" in Path(standby["log_path"]).read_text()
+        since_stop = [d for d in _decisions(planner) if d["ts"] >= hung_wall]
+        ended = [(round(t - hung_at, 2), round(running_s(t, e), 2), c) for t, e, c in results if t >= hung_at]
+        dropped_s = running_s(hung_at, dropped_at)
+        (hung_event,) = [e for e in _events(log_dir, "hung") if e["index"] == hung["index"]]
+        print(
+            f"prefill worker hung: dropped by the frontend {dropped_s:.1f} s after the SIGSTOP; killed by "
+            f"the planner's connector {hung_event['t'] - hung_wall:.1f} s after it (seen {killed_s:.1f} s), "
+            f"its standby serving {replaced_s:.1f} s after it; {len(ended)} requests sent after the stop; "
+            f"(sent s, took s, status): {ended}"
+        )
+        print(
+            "planner since the stop:",
+            [(d["pool"], d["current"], d["desired"], d["code"]) for d in since_stop],
+        )
+        # No request stays in flight: each ends (answered or refused) within the bound ...
+        assert len(ended) == len([t for t in load.sent if t >= hung_at]), (len(load.sent), ended)
+        assert max(took for _, took, _ in ended) <= HUNG_BOUND_S, ended
+        # ... the first ones, routed to the hung worker, by the request plane's acknowledgement timeout ...
+        assert any(st == 504 and took >= TCP_REQUEST_TIMEOUT_S - 0.5 for _, took, st in ended), ended
+        # ... and once the frontend dropped it, the decode worker serves alone.
+        late = [st for s, _, st in results if s >= dropped_at + 1.0]
+        assert len(late) >= 3 and all(st == 200 for st in late), ended
+        # The planner: while the stopped worker's process lived, its connector counted the replica; its
+        # records stopped, so the prefill pool held ("1 replicas but 0 workers publishing") for the mismatch
+        # grace. Its connector killed the worker no sooner than hung_after_s and within two ticks after
+        # (running time), the pool was short and its standby was promoted; no decode replica was asked for.
+        assert any(d["pool"] == "prefill" and d["code"] == "mismatch_grace" for d in since_stop), since_stop
+        assert "stopped by a signal (state T)" in hung_event["reason"], hung_event
+        assert hung_event["t"] - hung_wall >= HUNG_AFTER_S - 0.5 and killed_s <= KILLED_BOUND_S, killed_s
+        assert replaced_s <= REPLACED_BOUND_S, replaced_s
+        assert any(
+            d["pool"] == "prefill" and d["current"] == 0 and d["desired"] >= 1 and d["ts"] >= hung_event["t"]
+            for d in since_stop
+        ), since_stop[-6:]
+        assert not [d for d in _decisions(planner) if d["pool"] == "decode" and d["desired"] > 1]
+        print(f"the hung-worker phase took {running_s(load_started, time.monotonic()):.0f} s of running time")
+
+        # ---- 3. the decode worker dies mid-transfer --------------------------------------------------------
         (decode,) = _serving(log_dir, "decode")
         async with PrefillRecords(nats_server.url) as seen:
             await asyncio.sleep(1.0)  # subscribed
+            # Nothing held before: every prefill engine's latest record says so.
+            subscribed_at = time.monotonic()
+
+            def nothing_held() -> bool:
+                latest = {(r.worker_id, r.dp_rank): r for t, r in list(seen.records) if t > subscribed_at}
+                return bool(latest) and all(r.num_held_kv_requests == 0 for r in latest.values())
+
+            await asyncio.to_thread(wait_until, nothing_held, LEASE_S + 15)
             _kill_group(decode["pid"], signal.SIGSTOP)  # alive and listed: the frontend still routes to it
             stopped_at = time.monotonic()
             for _ in range(3):  # each fails once the decode worker is gone

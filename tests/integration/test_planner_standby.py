@@ -5,6 +5,7 @@ and a planner that died and was restarted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -243,6 +244,45 @@ async def test_stop_signals_the_worker_alone_and_sweeps_its_group_after(tmp_path
     await c.close()
 
 
+async def test_a_stopped_worker_is_killed_and_its_standby_promoted(tmp_path: Path, worker: Path) -> None:
+    """SIGSTOP to a member's process group: alive but silent. After ``hung_after_s`` the connector kills the
+    group (the engine child too) and reaps it like a crash; the pool's next scale-up promotes the standby."""
+    c = _connector(tmp_path, worker, standby_prefill=1, hung_after_s=0.6)
+    await c.start()
+    try:
+        await c.apply(1, None)
+        hung = c.running("prefill")[0]
+        await _until(lambda: c.poll() or hung.serving, "never served")
+        await _until(lambda: "child" in hung.log_path.read_text(), "no child")
+        child = int(hung.log_path.read_text().split("child")[1].split()[0])
+        child_started = start_time(child) or 0.0
+        await _warm(c, "prefill", 1)
+        standby = c.standbys("prefill")[0]
+        # A worker that runs again before the bound is left alone: the clock restarts.
+        os.killpg(hung.pid, signal.SIGSTOP)
+        await _until(lambda: c.poll() or hung.stopped_since is not None, "the stop was never seen")
+        os.killpg(hung.pid, signal.SIGCONT)
+        await _until(lambda: c.poll() or hung.stopped_since is None, "the resume was never seen")
+        await asyncio.sleep(0.7)
+        assert (await c.status()).prefill == 1 and hung.alive
+        stopped_at = time.monotonic()
+        os.killpg(hung.pid, signal.SIGSTOP)
+        await _until(lambda: c.poll() or ("prefill", hung.index, -9) in c.exited, "the hung worker lives on")
+        assert running_s(stopped_at, time.monotonic()) >= 0.6
+        assert not same_process_alive(child, child_started)  # its group went with it
+        st = await c.status()
+        assert st.prefill == 0 and c.standbys("prefill") == [standby]
+        (event,) = [e for e in _events(tmp_path) if e["event"] == "hung"]
+        assert event["index"] == hung.index and "stopped by a signal (state T)" in event["reason"]
+        await c.apply(1, None)  # what the planner does for a pool below its minimum
+        assert c.running("prefill") == [standby]
+        await _until(lambda: c.poll() or standby.serving, "the promoted standby never served")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(hung.pid, signal.SIGCONT)
+        await c.close()
+
+
 async def test_a_restarted_planner_adopts_its_predecessors_workers(tmp_path: Path, worker: Path) -> None:
     first = _connector(tmp_path, worker, standby_decode=1)
     second = _connector(tmp_path, worker, standby_decode=1)
@@ -332,3 +372,8 @@ def test_standby_options_are_validated() -> None:
                 "local": {**base["local"], "standby_prefill": 1},
             }
         )
+    assert cfg.local.hung_after_s == 30.0
+    off = config_from_mapping({**base, "local": {**base["local"], "hung_after_s": 0}})
+    assert off.local.hung_after_s == 0
+    with pytest.raises(ConfigError, match=r"local\.hung_after_s: must be >= 0"):
+        config_from_mapping({**base, "local": {**base["local"], "hung_after_s": -1}})

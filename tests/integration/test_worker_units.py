@@ -361,6 +361,38 @@ async def test_a_failed_kv_read_is_one_log_line_and_an_error_naming_the_stage(
     assert tracker.ended[Outcome.FAILED] == 1
 
 
+async def test_a_request_whose_client_is_gone_before_it_starts_is_not_run() -> None:
+    """A worker resumed after a stop finds requests the frontend already failed (their context is stopped or
+    killed): none reaches the engine, where a prefill run would hold its KV for a read that never comes."""
+    from dynamo.vllm.handlers import RequestHandler
+
+    started: list[str] = []
+
+    class Engine:
+        async def generate(self, *args: Any, **kwargs: Any) -> Any:
+            started.append(args[2])
+            yield None
+
+    class Context:
+        def __init__(self, stopped: bool, killed: bool) -> None:
+            self.stopped, self.killed = stopped, killed
+
+        def id(self) -> str:
+            return "r1"
+
+        def is_stopped(self) -> bool:
+            return self.stopped
+
+        def is_killed(self) -> bool:
+            return self.killed
+
+    tracker = InflightTracker()
+    handler = RequestHandler(Engine(), "prefill", tracker, 100)
+    for stopped, killed in ((True, False), (False, True)):
+        assert [f async for f in handler.generate(_request(), Context(stopped, killed))] == []
+    assert started == [] and tracker.ended[Outcome.CANCELLED] == 2
+
+
 def test_router_dp_rank_maps_to_the_local_engine_rank() -> None:
     from dynamo.vllm.handlers import local_dp_rank
 
@@ -779,6 +811,18 @@ def test_frontend_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit) as exc:
         fe.parse_args(["--router-mode", "nope"])
     assert exc.value.code == 2
+
+
+def test_frontend_defaults_the_backend_stream_timeout() -> None:
+    from dynamo.frontend import main as fe
+
+    env: dict[str, str] = {}
+    assert fe.default_stream_timeout(env) == "300" and env == {fe.STREAM_TIMEOUT_ENV: "300"}
+    for given in ("0", "45"):  # an operator's value is kept, 0 (no bound) included
+        env = {fe.STREAM_TIMEOUT_ENV: given}
+        assert fe.default_stream_timeout(env) == given and env == {fe.STREAM_TIMEOUT_ENV: given}
+    env = {fe.STREAM_TIMEOUT_ENV: ""}
+    assert fe.default_stream_timeout(env) == "300"
 
 
 def test_standby_options_are_read_before_argparse(tmp_path: Path) -> None:

@@ -14,12 +14,21 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import MutableMapping
 from typing import Any, NoReturn
 
 from dynamo.common.cli_setup import add_version_flag, loopback_by_default, setup_logging
 from dynamo.common.event_plane import default_event_plane
 
 log = logging.getLogger("dynamo.frontend")
+
+# Upstream's inactivity bound on a worker's answer: a request whose worker sent nothing for this long ends
+# with 504 and the worker is quarantined (the runtime's request plane; its HTTP layer ends the stream at twice
+# the value as a safety net). Each frame restarts the clock, so a long generation is never cut; the longest
+# silence of a healthy worker is a request's time to first token (queueing, the longest prompt's prefill, the
+# KV transfer). Unset upstream (a request a hung worker acknowledged then waits for ever): we default it.
+STREAM_TIMEOUT_ENV = "DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS"
+DEFAULT_STREAM_TIMEOUT_S = 300
 
 ROUTER_MODES = {
     "round-robin": "RoundRobin",
@@ -105,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_stream_timeout(environ: MutableMapping[str, str]) -> str:
+    """Set ``DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS`` to our default where it is unset or empty (an operator's
+    value, ``0`` = no bound included, is kept); returns the value the runtime will read."""
+    if not environ.get(STREAM_TIMEOUT_ENV):
+        environ[STREAM_TIMEOUT_ENV] = str(DEFAULT_STREAM_TIMEOUT_S)
+    return environ[STREAM_TIMEOUT_ENV]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if not 0 <= args.http_port <= 65535:
@@ -144,7 +161,14 @@ async def run(args: argparse.Namespace) -> None:
     engine = await make_engine(
         runtime, EntrypointArgs(EngineType.Dynamic, router_config=router, **entrypoint_kwargs(args))
     )
-    log.info("frontend on http://%s:%d (router %s)", args.http_host, args.http_port, args.router_mode)
+    log.info(
+        "frontend on http://%s:%d (router %s, %s=%s)",
+        args.http_host,
+        args.http_port,
+        args.router_mode,
+        STREAM_TIMEOUT_ENV,
+        os.environ[STREAM_TIMEOUT_ENV],
+    )
     with contextlib.suppress(asyncio.CancelledError):
         await run_input(runtime, "http", engine)
 
@@ -153,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     loopback_by_default()  # the runtime's system server (DYN_SYSTEM_PORT); --http-host is separate
+    default_stream_timeout(os.environ)  # before the runtime starts: it reads the environment
     try:
         asyncio.run(run(args))
     except KeyboardInterrupt:

@@ -277,6 +277,7 @@ async def build_connector(cfg: PlannerConfig, runtime: Any) -> Any:
             log_dir=lc.log_dir,
             namespace=cfg.namespace,
             stop_timeout_s=lc.stop_timeout_s,
+            hung_after_s=lc.hung_after_s,
             initial_prefill=lc.initial_prefill,
             initial_decode=lc.initial_decode,
             standby_prefill=lc.standby_prefill,

@@ -89,6 +89,8 @@ class LocalConfig:
     decode_command: str = ""
     log_dir: str = "planner-logs"
     stop_timeout_s: float = 30.0
+    # A worker process stopped (SIGSTOP, a tracer) this long is killed and replaced; 0 = never.
+    hung_after_s: float = 30.0
     # Processes already running at start (started by someone else) are not ours to stop.
     initial_prefill: int = 0
     initial_decode: int = 0
@@ -367,6 +369,7 @@ def _check(cfg: PlannerConfig) -> None:
     for key in ("initial_prefill", "initial_decode", "standby_prefill", "standby_decode"):
         positive(f"local.{key}", getattr(cfg.local, key), allow_zero=True)
     positive("local.stop_timeout_s", cfg.local.stop_timeout_s)
+    positive("local.hung_after_s", cfg.local.hung_after_s, allow_zero=True)
     for name in ("prefill", "decode"):
         standby = getattr(cfg.local, f"standby_{name}")
         if standby and cfg.pool(name).max_replicas == 0:

@@ -18,6 +18,11 @@ signal handlers), so any of them can be parked.
 Stopping: SIGTERM to the worker process alone (it unregisters and drains; its vLLM processes must not
 get the signal), SIGKILL to its process group only after ``stop_timeout_s``.
 
+Hung workers (``hung_after_s``, 0 = off): a member or standby whose process is stopped (Linux
+state ``T``/``t``: SIGSTOP, a tracer) at every look for that long is killed (SIGKILL to its process
+group) and reaped like a crashed worker: the pool is short by one, so the planner's next decision
+promotes a standby or starts one.
+
 Replicas = our pool members not being stopped (+ ``initial_*`` ones started by someone else);
 ``settled`` = no process still draining. The workers are recorded in ``{log_dir}/local-connector.json``
 (pid and start time): a planner started later adopts them (``adopt``) or stops them.
@@ -43,6 +48,7 @@ from dynamo.common.ports import stable_free_port
 
 from . import local_state
 from .connector_base import ConnectorStatus, PoolStatus
+from .local_hung import check_stopped
 from .local_process import ProcessHandle, same_process_alive
 
 logger = logging.getLogger(__name__)
@@ -70,6 +76,7 @@ class WorkerProcess:
     promote_pending: bool = False  # promoted before its signal handler was installed
     stop_deadline: float | None = None  # monotonic; stopping, or parking
     killed: bool = False
+    stopped_since: float | None = None  # monotonic; first seen stopped (SIGSTOP), for ``hung_after_s``
     state: ws.WorkerState | None = None
     argv: tuple[str, ...] = ()
 
@@ -139,6 +146,7 @@ class LocalConnector:
         log_dir: str | Path = "planner-logs",
         namespace: str = "dynamo",
         stop_timeout_s: float = 30.0,
+        hung_after_s: float = 0.0,
         initial_prefill: int = 0,
         initial_decode: int = 0,
         standby_prefill: int = 0,
@@ -152,6 +160,7 @@ class LocalConnector:
         self.log_dir = Path(log_dir)
         self.namespace = namespace
         self.stop_timeout_s = stop_timeout_s
+        self.hung_after_s = hung_after_s
         self.external = {"prefill": initial_prefill, "decode": initial_decode}
         self.standby = {"prefill": standby_prefill, "decode": standby_decode}
         # A pool at its maximum cannot promote a standby: no more are kept than it can still grow by.
@@ -293,7 +302,7 @@ class LocalConnector:
         now = time.monotonic()
         for pool, procs in self.procs.items():
             for wp in list(procs):
-                if not wp.handle.poll():
+                if not wp.handle.poll() or self._killed_hung(wp, now):
                     self._on_exit(wp, now)
                     procs.remove(wp)
                     continue
@@ -329,6 +338,28 @@ class LocalConnector:
             else:
                 keep.append((handle, deadline))
         self._leftovers = keep
+
+    def _killed_hung(self, wp: WorkerProcess, now: float) -> bool:
+        """Kill a member or standby stopped for ``hung_after_s`` (its group: the engine processes too);
+        True once it is gone. A worker being stopped or parked has its own deadline."""
+        if self.hung_after_s <= 0 or wp.role not in (MEMBER, STANDBY) or wp.killed:
+            return False
+        check = check_stopped(wp.handle.run_state(), wp.stopped_since, now, self.hung_after_s)
+        wp.stopped_since = check.stopped_since
+        if check.reason is None:
+            return False
+        logger.warning(
+            "%s %s %d (pid %d) is hung: %s; SIGKILL to its process group, replaced like a crashed one",
+            wp.pool,
+            "standby" if wp.role == STANDBY else "worker",
+            wp.index,
+            wp.pid,
+            check.reason,
+        )
+        wp.handle.kill_group()
+        wp.killed = True
+        self._event("hung", wp, reason=check.reason)
+        return wp.handle.wait(2.0)  # a stopped process dies on SIGKILL at once; else reaped next time
 
     def _on_exit(self, wp: WorkerProcess, now: float) -> None:
         rc = wp.handle.returncode

@@ -15,6 +15,8 @@ import subprocess
 import psutil
 from dynamo.common import process_group
 
+from .local_hung import stat_state
+
 # Two readings of one process's start time agree to psutil's clock-tick resolution.
 START_TIME_TOLERANCE_S = 0.05
 
@@ -73,6 +75,16 @@ class ProcessHandle:
     @property
     def returncode(self) -> int | None:
         return self._returncode
+
+    def run_state(self) -> str | None:
+        """The process's state letter from ``/proc/<pid>/stat`` (``R``, ``S``, ``T``...); None if unknown."""
+        if not self.poll():
+            return None
+        try:
+            with open(f"/proc/{self.pid}/stat") as stat:
+                return stat_state(stat.read())
+        except OSError:  # gone meanwhile, or no procfs (not Linux)
+            return None
 
     def signal(self, sig: int) -> bool:
         """Send ``sig`` to the process alone; False if it is gone."""

@@ -432,6 +432,14 @@ class RequestHandler:
             return EngineShutdown("worker is draining: request handed back for migration")
 
         with self.tracker.track(request_id) as tracked:
+            if _client_gone(context):
+                # E.g. a worker resumed after a stop (SIGSTOP, a host stall) finds the requests the frontend
+                # gave up on meanwhile: a prefill run now would hold its KV for a read that never comes.
+                log.info("request %s cancelled by the client before it started: not run", request_id)
+                tracked.outcome = Outcome.CANCELLED
+                if watcher is not None:
+                    watcher.cancel()
+                return
             try:
                 from vllm.inputs import TokensPrompt
 
@@ -526,6 +534,18 @@ def _request_id(context: Any) -> str:
         with contextlib.suppress(Exception):
             rid = context.id()
     return f"{rid or 'req'}-{uuid.uuid4().hex[:8]}"
+
+
+def _client_gone(context: Any) -> bool:
+    """Whether the runtime already says the client went away (stopped or killed) before any work began."""
+    if context is None:
+        return False
+    for check in ("is_stopped", "is_killed"):
+        method = getattr(context, check, None)
+        with contextlib.suppress(Exception):
+            if method is not None and method():
+                return True
+    return False
 
 
 def _watch_cancellation(context: Any, engine: Any, request_id: str) -> asyncio.Task[None] | None:
