@@ -33,15 +33,18 @@ CHEAPEST_STATIC = {
     "steady": 2,
     "fleet-scale": 40,
 }
-# docs/planner-evaluation.md, "Variance-aware sizing": (scenario, cold start, target) of every target missed
-# by the default policy (the previous sizing, ``variance_sizing: false``, missed the first only).
+# docs/planner-evaluation.md, "The synthetic suite": (scenario, cold start, target) of every target missed by
+# the default policy (the forecast off: the suite's smooth ramps and waves are what it was fitted to, and it
+# did not pay on held-out traffic). Every miss is a goodput target; every GPU-hours and direction target is met.
 DOCUMENTED_MISSES = {
-    ("opposite-shift", 60.0, "goodput"),
-    ("opposite-shift", 60.0, "GPU-hours / static"),
-    ("opposite-shift", 0.0, "GPU-hours / static"),
+    ("decode-shift", 60.0, "goodput"),
+    ("ramp", 0.0, "goodput"),
     ("ramp", 60.0, "goodput"),
-    ("idle-gap", 60.0, "GPU-hours / static"),
-    ("flash-crowd", 60.0, "GPU-hours / static"),
+    ("idle-gap", 0.0, "goodput"),
+    ("opposite-shift", 0.0, "goodput"),
+    ("opposite-shift", 60.0, "goodput"),
+    ("slow-wave", 0.0, "goodput"),
+    ("slow-wave", 60.0, "goodput"),
     ("fleet-scale", 0.0, "goodput"),
 }
 
