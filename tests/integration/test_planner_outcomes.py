@@ -35,7 +35,8 @@ CHEAPEST_STATIC = {
 }
 # docs/planner-evaluation.md, "The synthetic suite": (scenario, cold start, target) of every target missed by
 # the default policy (the forecast off: the suite's smooth ramps and waves are what it was fitted to, and it
-# did not pay on held-out traffic). Every miss is a goodput target; every GPU-hours and direction target is met.
+# did not pay on held-out traffic). Every miss is a goodput target; every GPU-hours and direction target is
+# met.
 DOCUMENTED_MISSES = {
     ("decode-shift", 60.0, "goodput"),
     ("ramp", 0.0, "goodput"),
