@@ -13,24 +13,26 @@ the stages of Kubernetes' HPA) draft a decision; then the interval guard and the
 2. ``rule_bounds``: outside [min, max] -> back in (down by at most ``scale_down_step``).
 3. ``rule_mismatch``: replicas != publishing workers (beyond those starting): hold for
    ``mismatch_grace_s``, then decide with the silent ones counted as loaded (never a scale-down).
-4. ``rule_idle``: no work at all for ``idle_window_s`` -> down towards the minimum.
-5. ``rule_load``: proportional sizing. The pool's demand, projected to when a new replica would be
-   ready (its trend over ``trend_window_s`` times the measured startup), over what one engine carries
-   at the target -> the replicas needed; several may be added at once. Down only when the
-   consolidated load fits, for ``scale_down_window_s``, by at most ``scale_down_step``, never while
-   the trend says the load comes back within a startup.
-6. ``apply_interval_guard`` and ``apply_budget``: at most one action per pool per interval; the GPU
-   budget is never exceeded (draining replicas still count); an ask that does not fit is cut to what
-   fits, and if nothing fits the other pool gives a replica when its consolidated load allows.
+4. ``rule_idle``: no engine publishes -> hold (silent replicas count as busy).
+5. ``rule_load``: the sizing (``robust``): each pool carries the mean plus ``headroom_sigmas`` standard
+   deviations of its demand over ``demand_window_s`` (and today's demand) at ``up``; several replicas may be
+   added at once. Down never below the highest need of ``scale_down_stabilization_s``, by at most
+   ``scale_down_step``; a pool idle for a whole demand window needs none. The opt-in ``forecast`` adds a
+   consistent trend's growth over a startup.
+6. ``apply_interval_guard``, ``apply_decode_follows_prefill`` and ``apply_budget``: at most one action per
+   pool per interval; no decode scale-down while prefill scales up; the GPU budget is never exceeded
+   (draining replicas still count), an ask that does not fit is cut to what fits, and if nothing fits the
+   other pool gives a replica when its sizing wants fewer.
 
 ``settle()`` applies the connector's outcome (sent, failed, dry run) to the state, so the loop and the
 replay never edit policy state themselves.
 
 The modules, each with one job: ``state`` (names, what a pool remembers), ``decision`` (signals, sizing,
 decisions), ``demand`` and ``trend`` (an engine's work; sample windows and their line), ``view`` (what a
-sizing reads, shared arithmetic), ``decode``, ``prefill`` and ``sla`` (the three sizings), ``verdict``
-(up / down / steady from a sizing's demand), ``sizing`` (which sizing a pool gets), ``rules`` (the per-pool
-rules), ``fleet`` (the passes over both pools) and ``step`` (``decide`` and ``settle``).
+sizing reads, shared arithmetic), ``decode``, ``prefill`` and ``sla`` (the three sizings), ``robust`` (up /
+down / steady from the demand window), ``forecast`` (the opt-in trend), ``sizing`` (which sizing a pool
+gets), ``rules`` (the per-pool rules), ``fleet`` (the passes over both pools) and ``step`` (``decide`` and
+``settle``).
 """
 
 from __future__ import annotations
