@@ -196,7 +196,9 @@ async def test_decode_backlog_scales_decode_then_idle_returns_to_minimum(
             await asyncio.sleep(0.05)
         cluster.phase = "balanced"
         await asyncio.sleep(4 * cfg.interval_s)
-        assert all(d.prefill.action == "hold" and d.prefill.desired == 2 for d in decisions), [
+        # The decode backlog never asks for prefill (its light queue may let it shrink after the short
+        # stabilization window this test runs with).
+        assert all(d.prefill.action != "scale_up" and d.prefill.desired <= 2 for d in decisions), [
             d.prefill.reason for d in decisions
         ]
         assert decisions[-1].decode.current == 2 and decisions[-1].decode.action == "hold", decisions[
