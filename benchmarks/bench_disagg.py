@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dynamo.common.ports import free_port
+from dynamo.common.ports import stable_free_port
 from dynamo_fpm_testing.disagg_support import (
     EngineProcess,
     EngineSpec,
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_model(work / "model")
         prefill, decode = start_engines(
             [
-                EngineSpec("prefill", model, "kv_producer", free_port()),
-                EngineSpec("decode", model, "kv_consumer", free_port()),
+                EngineSpec("prefill", model, "kv_producer", stable_free_port()),
+                EngineSpec("decode", model, "kv_consumer", stable_free_port()),
             ],
             work,
         )
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.without_layer:
                 decode.close()
                 (decode,) = start_engines(
-                    [EngineSpec("decode-fixes-off", model, "kv_consumer", free_port(), env=FIXES_OFF)], work
+                    [EngineSpec("decode-fixes-off", model, "kv_consumer", stable_free_port(), env=FIXES_OFF)],
+                    work,
                 )
                 print("decode engine with the CPU layer's switches off ...", flush=True)
                 report["decode_fixes_off"] = run_pair(prefill, decode, sizes, args, seed=2000)

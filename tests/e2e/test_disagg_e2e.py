@@ -66,7 +66,9 @@ def _serve(work: Path, nats_url: str, phase: str, workers: dict[str, list[str]],
                 )
             )
         base_url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: model_ready(base_url, MODEL), timeout=420, procs=procs)
+        # A decode worker serves alone (local prefill) until its prefill worker registers: wait for the pair.
+        present = ("decode", "prefill") if "prefill" in workers else ()
+        wait_until(lambda: model_ready(base_url, MODEL, present), timeout=420, procs=procs)
         results = {}
         for name, prompt in PROMPTS.items():
             started = time.monotonic()

@@ -32,7 +32,7 @@ pytest.importorskip("nixl")
 import nats
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics, decode
 from dynamo.common.fpm_subjects import DECODE_COMPONENT, decode_envelope, fpm_subject
-from dynamo.common.ports import free_port
+from dynamo.common.ports import free_port, stable_free_port
 from dynamo_fpm_testing.disagg_support import (
     KV_LEASE_S,
     EngineProcess,
@@ -69,7 +69,7 @@ def engines(
     }
     prefill, decode_engine = start_engines(
         [
-            EngineSpec("prefill", tiny_model_dir, "kv_producer", free_port()),
+            EngineSpec("prefill", tiny_model_dir, "kv_producer", stable_free_port()),
             EngineSpec(
                 "decode",
                 tiny_model_dir,
@@ -100,7 +100,7 @@ def _unpaired_prefill(engines: dict[str, Any], name: str) -> EngineProcess:
     if engines["paired"]:
         engines["prefill"].close()
         (engines["prefill"],) = start_engines(
-            [EngineSpec(name, engines["model"], "kv_producer", free_port())], engines["log_dir"]
+            [EngineSpec(name, engines["model"], "kv_producer", stable_free_port())], engines["log_dir"]
         )
         engines["paired"] = False
     return engines["prefill"]

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from dynamo.common.ports import free_port
+from dynamo.common.ports import stable_free_port
 from dynamo_fpm_testing.disagg_support import (
     EngineProcess,
     EngineSpec,
@@ -35,7 +35,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prefill(tiny_model_dir: Path, log_dir: Path) -> Iterator[EngineProcess]:
-    (engine,) = start_engines([EngineSpec("prefill", tiny_model_dir, "kv_producer", free_port())], log_dir)
+    (engine,) = start_engines(
+        [EngineSpec("prefill", tiny_model_dir, "kv_producer", stable_free_port())], log_dir
+    )
     try:
         yield engine
     finally:
@@ -43,7 +45,9 @@ def prefill(tiny_model_dir: Path, log_dir: Path) -> Iterator[EngineProcess]:
 
 
 def _decode(tiny_model_dir: Path, log_dir: Path, name: str, **kw: Any) -> EngineProcess:
-    (engine,) = start_engines([EngineSpec(name, tiny_model_dir, "kv_consumer", free_port(), **kw)], log_dir)
+    (engine,) = start_engines(
+        [EngineSpec(name, tiny_model_dir, "kv_consumer", stable_free_port(), **kw)], log_dir
+    )
     return engine
 
 

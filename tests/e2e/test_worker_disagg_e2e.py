@@ -105,7 +105,7 @@ def disagg(
     procs = [frontend, prefill, decode]
     try:
         base_url = f"http://127.0.0.1:{http_port}"
-        wait_until(lambda: model_ready(base_url, MODEL), timeout=300, procs=procs)
+        wait_until(lambda: model_ready(base_url, MODEL, ("decode", "prefill")), timeout=300, procs=procs)
         ids = {
             "prefill": _worker_id(f"http://127.0.0.1:{prefill_metrics}/metrics"),
             "backend": _worker_id(f"http://127.0.0.1:{decode_metrics}/metrics"),

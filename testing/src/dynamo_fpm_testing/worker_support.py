@@ -263,9 +263,20 @@ def _within(timeout: float, predicate: Any, procs: Sequence[Proc] = ()) -> bool:
     return True
 
 
-def model_ready(base_url: str, model: str) -> bool:
-    status, _ = http_json(f"{base_url}/v1/models/{model}/ready", timeout=5)
-    return status == 200
+def model_ready(base_url: str, model: str, present: tuple[str, ...] = ()) -> bool:
+    """The frontend serves ``model`` and, when ``present`` names components, lists each of them.
+
+    A decode worker with local prefill makes a disaggregated model ready on its own: a test of the pair must
+    also wait for the prefill component (``present=("decode", "prefill")``)."""
+    status, body = http_json(f"{base_url}/v1/models/{model}/ready", timeout=5)
+    if status != 200:
+        return False
+    if not present:
+        return True
+    if not isinstance(body, dict):
+        return False
+    listed = {c for ns in body.get("namespaces", {}).values() for c in ns.get("present", [])}
+    return set(present) <= listed
 
 
 _REFERENCE_SCRIPT = textwrap.dedent(
