@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import uuid
 from pathlib import Path
+
+from dynamo.vllm.runtime_workarounds.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -63,29 +64,19 @@ def restore_entry(path: Path, content: bytes) -> bool:
     return True
 
 
-class FileDiscoveryKeepAlive:
-    """A daemon thread that keeps this connection's discovery entries fresh and present until stopped."""
+class FileDiscoveryKeepAlive(PeriodicThread):
+    """A daemon thread that keeps this connection's discovery entries fresh and present until stopped.
+
+    ``stop()`` comes before the worker unregisters, so nothing races the runtime's deletion."""
 
     def __init__(self, root: Path, connection_id: int, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
+        super().__init__("file-discovery-keepalive", interval_s)
         self.root = root
         self.connection_id = connection_id
-        self.interval_s = interval_s
         self.restored = 0  # entries written back since start
         self._content: dict[Path, bytes] = {}  # each entry seen, with its latest content
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="file-discovery-keepalive", daemon=True)
-
-    def start(self) -> FileDiscoveryKeepAlive:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop touching and restoring (before unregistering, so nothing races the runtime's deletion)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
 
     def run_once(self) -> None:
         """One pass: touch our entries, remember their content, write back the ones that vanished."""

@@ -25,10 +25,10 @@ import json
 import logging
 import os
 import socket
-import threading
 from pathlib import Path
 
 from dynamo.vllm.fpm_env import number
+from dynamo.vllm.runtime_workarounds.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def remove_entries(root: Path, connection_hex: str) -> list[Path]:
     return removed
 
 
-class DeadPeerReaper:
+class DeadPeerReaper(PeriodicThread):
     """A daemon thread removing the entries of listed instances whose address refuses connections."""
 
     def __init__(
@@ -105,23 +105,12 @@ class DeadPeerReaper:
     ) -> None:
         if interval_s <= 0 or refusals < 1 or confirm_s < 0:
             raise ValueError("interval_s must be > 0, refusals >= 1 and confirm_s >= 0")
+        super().__init__("file-discovery-reaper", interval_s)
         self.root = root
         self.own = f"{own_connection_id:x}"
-        self.interval_s = interval_s
         self.refusals = refusals
         self.confirm_s = confirm_s
         self.reaped: list[str] = []  # connection ids (hex) whose entries this reaper removed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="file-discovery-reaper", daemon=True)
-
-    def start(self) -> DeadPeerReaper:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
 
     def run_once(self) -> None:
         """One pass: probe every listed instance but this worker's, remove those refused often enough."""
