@@ -153,6 +153,20 @@ def test_a_forced_incremental_mode_without_hooks_says_so(caplog: pytest.LogCaptu
 
 
 # ---------------------------------------------------------------- a real vLLM scheduler missing a method
+def _capturing(base: type) -> type:
+    """The FPM mixin over a vLLM scheduler class (a new release's stand-in), publishing to a ListPublisher."""
+
+    class Capturing(FpmInstrumentation, base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._fpm_setup()
+
+        def _fpm_make_publisher(self, settings: Any, worker_id: str, dp_rank: int) -> Any:
+            return ListPublisher()
+
+    return Capturing
+
+
 @pytest.mark.vllm
 def test_a_renamed_vllm_method_switches_to_full_scans_at_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -165,14 +179,7 @@ def test_a_renamed_vllm_method_switches_to_full_scans_at_start(
         # Nothing would call our hook of that name any more (a deliberate clash with the mixin's signature).
         _update_request_as_session = None
 
-    # InstrumentedScheduler over the renamed base; the checker rightly sees the clash made above.
-    class Renamed(FpmInstrumentation, RenamedBase):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._fpm_setup()
-
-        def _fpm_make_publisher(self, settings: Any, worker_id: str, dp_rank: int) -> Any:
-            return ListPublisher()
+    Renamed = _capturing(RenamedBase)  # the mixin over the renamed base
 
     model_dir = write_model_config(tmp_path)
     with caplog.at_level(logging.WARNING), fpm_env(DYN_FPM_WORKER_ID="renamed", DYN_FPM_AUDIT_INTERVAL="0"):
@@ -235,13 +242,7 @@ def test_an_unknown_request_queue_is_named_once_and_every_record_equals_a_full_s
                 self.waiting.add_request(self.held_waiting.pop_request())
             return super().schedule(*args, **kwargs)
 
-    class NewQueue(FpmInstrumentation, NewQueueBase):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._fpm_setup()
-
-        def _fpm_make_publisher(self, settings: Any, worker_id: str, dp_rank: int) -> Any:
-            return ListPublisher()
+    NewQueue = _capturing(NewQueueBase)
 
     model_dir = write_model_config(tmp_path)
     with caplog.at_level(logging.WARNING), fpm_env(DYN_FPM_WORKER_ID="newq", DYN_FPM_AUDIT_INTERVAL="0"):
