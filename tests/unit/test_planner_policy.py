@@ -1056,6 +1056,17 @@ def test_the_rule_codes_are_the_ones_the_rules_set() -> None:
     assert literals - {"hold", "up", "down", "idle", "steady", "scale_up", "scale_down"} == RULE_CODES
 
 
+def test_the_docs_list_every_rule_code() -> None:
+    """docs/planner.md's "Rule codes" paragraph names exactly ``RULE_CODES`` (dashboards read it)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    paragraph = doc.split("**Rule codes**", 1)[1].split("\n\n", 1)[0]
+    listed = set(re.findall(r"`([a-z_]+)`", paragraph)) - {"code"}
+    assert listed == RULE_CODES, (listed - RULE_CODES, RULE_CODES - listed)
+
+
 def test_upstreams_decode_scale_up_kv_rate_sizes_the_decode_pool() -> None:
     """Upstream's ``decode_scale_up_kv_rate`` maps to ``thresholds.decode_up``, the load the demand's level
     is sized for: the same demand on engines allowed 50% asks for more replicas than at 100%."""

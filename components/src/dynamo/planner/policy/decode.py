@@ -52,5 +52,5 @@ def decode_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     )
     fc, st = NONE, view.state
     if cfg.forecast.enabled:
-        fc, st, sig = decode_forecast(view, now, demand, loads, requests, sig)
+        fc, st, sig = decode_forecast(view, now, demand, loads, requests, target, sig)
     return robust_verdict(replace(view, state=st), now, loads, demand, up, sig, target=target, forecast=fc)

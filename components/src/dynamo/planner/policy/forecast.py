@@ -38,7 +38,13 @@ NONE = Forecast()
 
 
 def decode_forecast(
-    view: PoolView, now: float, demand: float, loads: list[float], requests: float, sig: Signals
+    view: PoolView,
+    now: float,
+    demand: float,
+    loads: list[float],
+    requests: float,
+    target: float,
+    sig: Signals,
 ) -> tuple[Forecast, PoolState, Signals]:
     """The decode pool's growth over a startup from its demand's trend, bounded; with the state and signals.
 
@@ -47,7 +53,6 @@ def decode_forecast(
     a ramp; a load under ``MIN_SHARE`` of the pool is not forecast.
     """
     fc = view.cfg.forecast
-    target = view.cfg.effective_thresholds().decode_target
     samples = within_window(view.state.trend, fc.window_s, now, demand)
     st = replace(view.state, trend=samples)
     slope, r2 = trend_fit(samples)
