@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine (see README):
 #   make demo   - the disaggregated demo on embedded defaults
 #   make test   - ruff, mypy and the whole test suite
+#   make check  - ruff, mypy and the unit tests only: the fast inner loop
 # Both create or reuse .venv and install what they need (re-installed when pyproject.toml changes).
 
 SHELL := /bin/bash
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt Makefile 
 UPSTREAM_DIR := .cache/upstream/ai-dynamo-1.6.1
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo clean-venv bench
+.PHONY: setup test check lint demo clean-venv bench
 
 setup: $(STAMP) $(UPSTREAM_DIR)/.ok
 
@@ -39,6 +40,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# The inner loop: lint, mypy and the unit tests (pure: no processes, servers or engines), about a minute
+# and a half on 2 cores. `make test` runs everything, as CI does.
+check: lint
+	$(PY) -m pytest -m unit -q $(PYTEST_ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -3,7 +3,8 @@
 For every workload of ``dynamo.planner.sim.workloads`` asked for and every router, it searches the cheapest
 static P+D fleet reaching 95% (each pool on its own; cached under ``.cache/``), then runs our planner from
 that fleet at each cold start and from 1+1 at 0 s. Prints one row per run: goodput, GPU-hours as a ratio to
-the static fleet's, changes of direction per pool per 30 minutes, and the issue's targets (YES/NO).
+the static fleet's, changes of direction per pool per 30 minutes, and the issue's targets (YES/NO). A second
+table sets each 0 s run from the need against the cheapest static fleet reaching that run's own goodput.
 Searches and planner runs go to ``--jobs`` worker processes; progress lines go to stderr.
 
     python benchmarks/bench_planner_traffic.py [--workloads azure-conv-x1,...] [--routers round-robin,kv] \
@@ -146,12 +147,60 @@ def main() -> int:
                         workload_row, n, str(traces[n]), r, st, need, mapping
                     )
         results = _print(names, routers, startups, fleets, runs)
+        if 0.0 in startups:
+            results += _equal_goodput(names, routers, traces, runs, cache, cache_file, pool)
     finally:
         pool.shutdown(cancel_futures=True)
     print(f"\n{time.perf_counter() - t_start:.0f} s for the table, {args.jobs} jobs")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _equal_goodput(
+    names: list[str],
+    routers: list[str],
+    traces: dict[str, Path],
+    runs: dict[tuple[str, str, str, float], Future[dict[str, Any]]],
+    cache: dict[str, Any],
+    cache_file: Path,
+    pool: ProcessPoolExecutor,
+) -> list[dict[str, Any]]:
+    """The second table: each 0 s run from the need against the cheapest static fleet reaching the
+    planner's own goodput (rounded down to 0.1 point), not 95%: a hindsight fleet's cost at equal goodput."""
+    wanted: dict[tuple[str, str], tuple[dict[str, Any], float, str]] = {}
+    searches: dict[tuple[str, str], Future[Any]] = {}
+    for n in names:
+        for r in routers:
+            if (n, r, "need", 0.0) not in runs:
+                continue
+            s = runs[(n, r, "need", 0.0)].result()
+            target = int(float(s["goodput_pct"]) * 10) / 10
+            key = f"{_key(traces[n], r)}@{target:g}"
+            wanted[(n, r)] = (s, target, key)
+            if key not in cache:
+                searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r, target)
+    print("\nAt equal goodput (0 s, from the need): the cheapest static fleet reaching the run's goodput")
+    cols = ("workload", "router", "planner", "GPU-h", "static", "goodput", "GPU-h", "x")
+    print("{:<15} {:<11} {:>8} {:>7}  {:>7} {:>8} {:>7} {:>5}".format(*cols))
+    out: list[dict[str, Any]] = []
+    for (n, r), (s, target, key) in wanted.items():
+        if key not in cache:
+            found = searches[(n, r)].result()
+            cache[key] = None if found is None else [list(found[0]), found[1]]
+            cache_file.write_text(json.dumps(cache, indent=1))
+        head = f"{n:<15} {r:<11} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f}  "
+        if cache[key] is None:
+            print(head + f"no static fleet up to 128+128 reaches {target:g}%", flush=True)
+            continue
+        (p, d), st = cache[key]
+        ratio = float(s["gpu_hours"]) / float(st["gpu_hours"])
+        print(
+            head + f"{f'{p}+{d}':>7} {st['goodput_pct']:>7.1f}% {st['gpu_hours']:>7.3f} {ratio:>5.2f}",
+            flush=True,
+        )
+        out.append({"scenario": n, "router": r, "policy": f"static {p}+{d} at {target:g}%", **st})
+    return out
 
 
 def _print(

@@ -61,12 +61,13 @@ def workload_spec(
 
 
 def workload_static(
-    name: str, trace: str | Path, router: str
+    name: str, trace: str | Path, router: str, target_pct: float = 95.0
 ) -> tuple[tuple[int, int], dict[str, Any]] | None:
-    """The cheapest static P+D fleet reaching 95% on a workload's trace, each pool searched (from the
-    workload's starting fleet, which skips the slow overloaded small fleets)."""
+    """The cheapest static P+D fleet reaching ``target_pct`` on a workload's trace, each pool searched (from
+    the workload's starting fleet, which skips the slow overloaded small fleets)."""
     initial = WORKLOADS[name].initial
-    return cheapest_static_pools(workload_spec(trace, initial, 0.0, router), start=max(initial))
+    spec = workload_spec(trace, initial, 0.0, router)
+    return cheapest_static_pools(spec, target_pct=target_pct, start=max(initial))
 
 
 def workload_row(
