@@ -210,3 +210,33 @@ def test_the_traffic_benchmark_refuses_bad_arguments_before_simulating() -> None
         done = run_benchmark("bench_planner_traffic.py", *args, timeout=120)
         assert done.returncode == 2
         assert message in done.stderr and done.stdout == ""
+
+
+def test_a_named_scenario_runs_with_the_benchmarks_limits_and_sla(tmp_path: Path) -> None:
+    """`simulate --scenario` reproduces a benchmark row by hand: max_replicas 64 per pool and SLA TTFT 2 s /
+    ITL 50 ms unless the config or the flags say otherwise; a trace keeps the planner's own defaults."""
+    from dynamo.planner.__main__ import build_parser, effective_config
+    from dynamo.planner.config import PlannerConfig, config_from_mapping
+    from dynamo.planner.sim.cli import build_spec
+    from dynamo.planner.sim.harness import SimSpec
+    from dynamo.planner.sim.scenarios import Phase, Scenario, write_trace
+
+    trace = str(write_trace(Scenario("t", "", (Phase(10, 1, 100, 10),)), tmp_path / "t.jsonl"))
+
+    def spec_and_config(*argv: str) -> tuple[SimSpec, PlannerConfig]:
+        args = build_parser().parse_args(["simulate", *argv])
+        cfg = effective_config(args)
+        args.trace = [trace]  # what `run` writes for a --scenario
+        return build_spec(args, cfg), cfg
+
+    spec, cfg = spec_and_config("--scenario", "ramp")
+    assert (cfg.prefill.max_replicas, cfg.decode.max_replicas) == (64, 64)
+    assert (spec.sla_ttft_ms, spec.sla_itl_ms) == (2000.0, 50.0)
+    spec, cfg = spec_and_config(
+        "--scenario", "ramp", "--config", '{"prefill": {"max_replicas": 4}}', "--sla-ttft-ms", "800"
+    )
+    assert (cfg.prefill.max_replicas, cfg.decode.max_replicas, spec.sla_ttft_ms) == (4, 64, 800.0)
+    spec, cfg = spec_and_config("--trace", trace)
+    default = config_from_mapping({})
+    assert cfg.prefill.max_replicas == default.prefill.max_replicas < 64
+    assert spec.sla_ttft_ms == default.sla.ttft_ms

@@ -206,6 +206,12 @@ def effective_config(args: argparse.Namespace, translation: Translation | None =
     if k8s:
         over["kubernetes"] = k8s
     data = merge(data, over)
+    if args.command == "simulate" and getattr(args, "scenario", None):
+        from .sim.runs import SUITE_FLEET_LIMITS
+
+        # A named scenario runs with the benchmarks' fleet limits unless the config sets its own, so that
+        # a run by hand reproduces the benchmark's row.
+        data = merge(SUITE_FLEET_LIMITS, data)
     port = os.environ.get("PLANNER_PROMETHEUS_PORT", "")
     if "metrics_port" not in data and args.command in (None, "run", "config") and port.strip():
         if not port.strip().isdigit():
