@@ -100,9 +100,7 @@ class Sizing:
 
     ``demand`` and ``projected`` are in engines' worth of work at 100% (decode: KV or running slots;
     prefill: the arrivals' prompt work, see ``prefill_sizing``); ``projected`` is the window's level plus
-    what is wanted on top; ``needed`` is the replica count the sizing asks for; ``held`` is the count the
-    scale-down stabilization remembers: ``needed`` without what is wanted only while it lasts (a backlog's
-    drain, KV held for peers), so that a transient's replicas go once it has passed.
+    what is wanted on top; ``needed`` is the replica count the sizing asks for.
     """
 
     want: Want
@@ -113,7 +111,6 @@ class Sizing:
     needed: int | None = None
     consolidated: float | None = None
     signals: Signals = Signals()
-    held: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

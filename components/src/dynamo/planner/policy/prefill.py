@@ -10,10 +10,6 @@ from .state import PoolState
 from .trend import trend_slope
 from .view import PoolView, capacity_unknown
 
-# A prefill backlog is sized to drain within this many decision intervals: replicas asked for at one tick
-# land and are measured by the next, so a queue that formed is gone about two ticks after they serve.
-DRAIN_INTERVALS = 3
-
 
 def arrival_engines(view: PoolView, rate: float | None) -> float | None:
     """Engines' worth of prefill work the frontend's arrivals bring, or None when it cannot be told.
@@ -43,9 +39,9 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     With an arrival source, the frontend's prompt tokens per second at the pool's measured cost per token
     (``arrival_engines``); without one, the engines saturated plus the queue's growth in engines (a saturated
     engine processes ``engine_rate`` tokens/s, measured from its passes); before any rate is measured, the
-    queue over ``context_length`` (upstream's load). A backlog, sized to drain within ``DRAIN_INTERVALS``
-    decision intervals, is wanted on top, outside the samples and the stabilization (it ends); so is KV held
-    for peers that have not read it (``EngineObs.held_kv_tokens``), until its lease ends.
+    queue over ``context_length`` (upstream's load). A backlog, sized to drain within ``demand_window_s``,
+    is wanted on top, outside the samples (it ends); so is KV held for peers that have not read it
+    (``EngineObs.held_kv_tokens``), until its lease ends.
     """
     pool, cfg = view.pool, view.cfg
     th = cfg.effective_thresholds()
@@ -82,7 +78,7 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     drain = 0.0
     late = False
     if rate is not None and rate > 0 and backlog > 0:
-        drain = backlog / (rate * DRAIN_INTERVALS * cfg.interval_s)
+        drain = backlog / (rate * cfg.demand_window_s)
         wait_s = max(queued) / rate
         sig = replace(sig, queue_wait_s=round(wait_s, 3), drain_engines=round(drain, 3))
         late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0

@@ -7,9 +7,8 @@ demand (engines' worth of work at full load) joins a window of ``demand_window_s
 ``mean + headroom_sigmas x standard deviation`` of it at the engines' ``up`` load, so the headroom follows the
 traffic's own variability (little on smooth traffic, more on bursty). Every tick's recommendation is recorded,
 and a scale-down goes no lower than the highest recommendation within ``scale_down_stabilization_s`` (the
-Kubernetes HPA's scale-down stabilization), which ``rules.rule_load`` applies; replicas wanted only while a
-transient lasts (a backlog's drain) are not recorded, so they go when it has passed. A pool with no work at
-all for a whole demand window needs no replica: the stabilization then steps it down to its ``min_replicas``.
+Kubernetes HPA's scale-down stabilization), which ``rules.rule_load`` applies. A pool with no work at all for
+a whole demand window needs no replica: the stabilization then steps it down to its ``min_replicas``.
 """
 
 from __future__ import annotations
@@ -68,11 +67,10 @@ def robust_verdict(
     samples at ``up``, and today's demand at ``up`` plus the HPA's ``TOLERANCE`` (a step is answered at
     once; a one-tick excess within the tolerance is not).
     ``extra``: engines wanted on top for a while (a backlog's drain), outside the samples so that a
-    transient does not inflate the spread, and outside what the stabilization holds (``Sizing.held``).
-    ``forecast``: its growth over a startup; today's demand plus it is sized at ``target`` when the trend is
-    sustained (out of the noise) or rising (consistent) while the pool is short already. ``late``: a queue
-    already waits too long, so at least one replica more than counted. A pool idle (no work scheduled or
-    queued on any engine) for ``demand_window_s`` needs none.
+    transient does not inflate the spread. ``forecast``: its growth over a startup; today's demand plus it
+    is sized at ``target`` when the trend is sustained (out of the noise) or rising (consistent) while the
+    pool is short already. ``late``: a queue already waits too long, so at least one replica more than
+    counted. A pool idle (no work scheduled or queued on any engine) for ``demand_window_s`` needs none.
     """
     pool, cfg = view.pool, view.cfg
     cons, silent, _ = consolidated_load(loads, pool, up)
@@ -86,15 +84,13 @@ def robust_verdict(
     held = min(v for _, v in samples[-2:])  # what the last two samples both show
     base = max(level / up, held / up, today / (up * (1 + TOLERANCE)), mean / target if target else 0.0)
     need = needed_replicas(base + max(extra, 0.0) / up, pool)
-    steady = needed_replicas(base, pool)  # without the transient on top: what the stabilization holds
     idle_for = now - idle_since if idle_since is not None else 0.0
     if idle_since is not None and idle_for >= cfg.demand_window_s:
-        need = steady = 0
+        need = 0
     growth = forecast.growth
     if growth > 0 and (forecast.sustained or (forecast.rising and need > view.replicas)):
         # The forecast sizes today's demand and its growth over a startup at the target, as a projection.
         need = max(need, needed_replicas((today + growth) / (target or up) + max(extra, 0.0) / up, pool))
-        steady = max(steady, needed_replicas((today + growth) / (target or up), pool))
         extra, extra_why = extra + growth, (extra_why + " and " if extra > 0 else "") + "forecast growth"
     if late:
         need = max(need, view.replicas + 1)
@@ -132,6 +128,5 @@ def robust_verdict(
         needed=need,
         consolidated=cons if math.isfinite(cons) else None,
         signals=sig,
-        held=min(steady, need),
     )
     return sizing, st

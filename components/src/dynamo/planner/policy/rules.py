@@ -298,8 +298,7 @@ def draft_pool(name: PoolName, obs: Observation, st: PoolState, cfg: PlannerConf
     sizing, d.st = pool_sizing(view, obs.now)
     d.sizing = sizing
     if sizing.needed is not None:
-        held = sizing.needed if sizing.held is None else sizing.held
-        need = min(held, cfg.pool(name).max_replicas)
+        need = min(sizing.needed, cfg.pool(name).max_replicas)
         d.st = replace(d.st, needs=within_window(d.st.needs, cfg.scale_down_stabilization_s, obs.now, need))
     d.signals = replace(d.signals.merged(sizing.signals), want=sizing.want)
     rule_idle(d, obs, cfg, missing)
