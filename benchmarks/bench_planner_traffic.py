@@ -1,14 +1,15 @@
 """The planner on production-like traffic: the Azure 2023 traces (x1, x2, x4) and the generated families.
 
-For every workload of ``dynamo.planner.sim.workloads`` asked for and every router, it searches the cheapest
+For every workload of ``dynamo.planner.sim.workloads`` asked for (and every ``--trace``: another production
+trace, say, run the same way under its file's name) and every router, it searches the cheapest
 static P+D fleet reaching 95% (each pool on its own; cached under ``.cache/``), then runs our planner from
 that fleet at each cold start and from 1+1 at 0 s. Prints one row per run: goodput, GPU-hours as a ratio to
 the static fleet's, changes of direction per pool per 30 minutes, and the issue's targets (YES/NO). A second
 table sets each 0 s run from the need against the cheapest static fleet reaching that run's own goodput.
 Searches and planner runs go to ``--jobs`` worker processes; progress lines go to stderr.
 
-    python benchmarks/bench_planner_traffic.py [--workloads azure-conv-x1,...] [--routers round-robin,kv] \
-        [--startups 0,60] [--jobs N] [--config FILE] [--json FILE]
+    python benchmarks/bench_planner_traffic.py [--workloads azure-conv-x1,...] [--trace FILE ...] \
+        [--routers round-robin,kv] [--startups 0,60] [--jobs N] [--config FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
 from dynamo.planner.sim.harness import ROUTERS
+from dynamo.planner.sim.inputs import SimInputError, check_trace
 from dynamo.planner.sim.prefixes import DEFAULT_SHARE
 from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, workload_row, workload_spec, workload_static
 from dynamo.planner.sim.traffic_targets import judge
@@ -74,8 +76,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--workloads",
-        default=",".join(AZURE),
-        help="comma-separated (default: the Azure traces at x1, x2, x4)",
+        help="comma-separated (default: the Azure traces at x1, x2, x4; none when --trace is given)",
+    )
+    ap.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a Mooncake JSON-lines trace run as a workload of its own, named after its file (repeatable): "
+        "replayed as it is, on the workloads' engines and SLA, its static search from 1+1",
     )
     ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated (default: round-robin,kv)")
     ap.add_argument("--startups", default="0,60", help="cold starts in seconds (default: 0,60)")
@@ -85,12 +94,25 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel (default: cores)")
     ap.add_argument("--json", help="write every row to this file")
     args = ap.parse_args()
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    workloads = args.workloads if args.workloads is not None else ("" if args.trace else ",".join(AZURE))
+    names = [n.strip() for n in workloads.split(",") if n.strip()]
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [n for n in names if n not in WORKLOADS] + [r for r in routers if r not in ROUTERS]
     if bad or args.jobs < 1:
         print(f"unknown workload or router {bad[0]!r}" if bad else "--jobs: 1 or more", file=sys.stderr)
         return 2
+    given: dict[str, Path] = {}
+    for file in args.trace:
+        name = Path(file).stem
+        if name in WORKLOADS or name in given:
+            print(f"--trace {file}: the name {name!r} is taken; rename the file", file=sys.stderr)
+            return 2
+        try:
+            check_trace(file)
+        except SimInputError as exc:
+            print(f"--trace: {exc}", file=sys.stderr)
+            return 2
+        given[name] = Path(file)
     if not 0 <= args.prefix_share <= 1:
         print(f"--prefix-share {args.prefix_share:g}: expected 0 to 1", file=sys.stderr)
         return 2
@@ -108,6 +130,8 @@ def main() -> int:
         )
         for n in names
     }
+    traces.update(given)
+    names += list(given)
     cache_file = CACHE / "static.json"
     cache: dict[str, Any] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     pool = ProcessPoolExecutor(max_workers=args.jobs)

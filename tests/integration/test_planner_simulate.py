@@ -421,3 +421,22 @@ def _scenario_json(name: str, *args: str) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr[-2000:]
     summary: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return summary
+
+
+def test_the_traffic_benchmark_runs_a_trace_of_ones_own(tmp_path: Path) -> None:
+    """`bench_planner_traffic.py --trace FILE`: a trace that is no named workload (another production trace,
+    say) gets the same static search, planner runs and equal-goodput table, under its file's name."""
+    from dynamo_fpm_testing.planner_support import run_benchmark
+
+    trace = write_trace(Scenario("mine", "", (Phase(60, 2, 1000, 50),)), tmp_path / "my-trace.jsonl")
+    out = tmp_path / "rows.json"
+    args = ("--trace", str(trace), "--routers", "round-robin", "--startups", "0", "--jobs", "1")
+    done = run_benchmark("bench_planner_traffic.py", *args, "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("my-trace ")]
+    # The static fleet, from it at 0 s, from 1+1 at 0 s, and the equal-goodput row.
+    assert [line[2] for line in lines[:3]] == ["1+1", "need", "1+1"], done.stdout
+    assert len(lines) == 4 and "At equal goodput" in done.stdout
+    rows = json.loads(out.read_text())
+    assert {r["scenario"] for r in rows} == {"my-trace"} and len(rows) == 4
+    assert all(r["router"] == "round-robin" and r["sla_ttft_ms"] == 2000.0 for r in rows)

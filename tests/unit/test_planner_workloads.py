@@ -200,12 +200,19 @@ def test_the_static_search_finds_each_pools_need(need_p: int, need_d: int) -> No
     assert cheapest_static_pools(spec, max_n=4, run=run) == (None if max(need_p, need_d) > 4 else found)
 
 
-def test_the_traffic_benchmark_refuses_bad_arguments_before_simulating() -> None:
+def test_the_traffic_benchmark_refuses_bad_arguments_before_simulating(tmp_path: Path) -> None:
     from dynamo_fpm_testing.planner_support import run_benchmark
 
+    clash = tmp_path / "azure-conv-x1.jsonl"
+    clash.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n')
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"timestamp": 0, "input_length": 10}\n')
     for args, message in (
         (["--workloads", "gen-bursty", "--routers", "hash"], "unknown workload or router 'hash'"),
         (["--prefix-share", "1.5"], "--prefix-share 1.5: expected 0 to 1"),
+        (["--trace", str(tmp_path / "none.jsonl")], "none.jsonl: no such file"),
+        (["--trace", str(clash)], "the name 'azure-conv-x1' is taken"),
+        (["--trace", str(broken)], "broken.jsonl line 1"),
     ):
         done = run_benchmark("bench_planner_traffic.py", *args, timeout=120)
         assert done.returncode == 2

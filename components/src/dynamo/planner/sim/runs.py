@@ -64,8 +64,9 @@ def workload_static(
     name: str, trace: str | Path, router: str, target_pct: float = 95.0
 ) -> tuple[tuple[int, int], dict[str, Any]] | None:
     """The cheapest static P+D fleet reaching ``target_pct`` on a workload's trace, each pool searched (from
-    the workload's starting fleet, which skips the slow overloaded small fleets)."""
-    initial = WORKLOADS[name].initial
+    the workload's starting fleet, which skips the slow overloaded small fleets; from 1+1 for a trace that
+    is no named workload)."""
+    initial = WORKLOADS[name].initial if name in WORKLOADS else (1, 1)
     spec = workload_spec(trace, initial, 0.0, router)
     return cheapest_static_pools(spec, target_pct=target_pct, start=max(initial))
 
