@@ -93,7 +93,15 @@ def main() -> int:
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel (default: cores)")
     ap.add_argument("--json", help="write every row to this file")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=CACHE,
+        metavar="DIR",
+        help="the workloads' traces and static searches (default: .cache/bench-planner-traffic)",
+    )
     args = ap.parse_args()
+    cache_dir: Path = args.cache
     workloads = args.workloads if args.workloads is not None else ("" if args.trace else ",".join(AZURE))
     names = [n.strip() for n in workloads.split(",") if n.strip()]
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
@@ -126,13 +134,13 @@ def main() -> int:
     t_start = time.perf_counter()
     traces = {
         n: write_workload(
-            n, CACHE / f"{n}-{args.seed}-{args.prefix_share:g}.jsonl", args.seed, args.prefix_share
+            n, cache_dir / f"{n}-{args.seed}-{args.prefix_share:g}.jsonl", args.seed, args.prefix_share
         )
         for n in names
     }
     traces.update(given)
     names += list(given)
-    cache_file = CACHE / "static.json"
+    cache_file = cache_dir / "static.json"
     cache: dict[str, Any] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     pool = ProcessPoolExecutor(max_workers=args.jobs)
     searches: dict[tuple[str, str], Future[Any]] = {}
@@ -156,7 +164,7 @@ def main() -> int:
                     t0 = time.perf_counter()
                     found = searches[(n, r)].result()
                     cache[key] = None if found is None else [list(found[0]), found[1]]
-                    CACHE.mkdir(parents=True, exist_ok=True)
+                    cache_dir.mkdir(parents=True, exist_ok=True)
                     cache_file.write_text(json.dumps(cache, indent=1))
                     print(
                         f"  [{n} {r}: static search done, {time.perf_counter() - t0:.0f} s waited]",

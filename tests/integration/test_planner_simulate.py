@@ -430,7 +430,8 @@ def test_the_traffic_benchmark_runs_a_trace_of_ones_own(tmp_path: Path) -> None:
 
     trace = write_trace(Scenario("mine", "", (Phase(60, 2, 1000, 50),)), tmp_path / "my-trace.jsonl")
     out = tmp_path / "rows.json"
-    args = ("--trace", str(trace), "--routers", "round-robin", "--startups", "0", "--jobs", "1")
+    cache = ("--cache", str(tmp_path / "cache"))  # not the checkout's cache
+    args = ("--trace", str(trace), "--routers", "round-robin", "--startups", "0", "--jobs", "1", *cache)
     done = run_benchmark("bench_planner_traffic.py", *args, "--json", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("my-trace ")]
@@ -440,3 +441,4 @@ def test_the_traffic_benchmark_runs_a_trace_of_ones_own(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     assert {r["scenario"] for r in rows} == {"my-trace"} and len(rows) == 4
     assert all(r["router"] == "round-robin" and r["sla_ttft_ms"] == 2000.0 for r in rows)
+    assert (tmp_path / "cache" / "static.json").is_file()
