@@ -162,10 +162,7 @@ def main() -> int:
                 key = _key(traces[n], r)
                 if key not in cache:
                     t0 = time.perf_counter()
-                    found = searches[(n, r)].result()
-                    cache[key] = None if found is None else [list(found[0]), found[1]]
-                    cache_dir.mkdir(parents=True, exist_ok=True)
-                    cache_file.write_text(json.dumps(cache, indent=1))
+                    _remember(cache, cache_file, key, searches[(n, r)].result())
                     print(
                         f"  [{n} {r}: static search done, {time.perf_counter() - t0:.0f} s waited]",
                         file=sys.stderr,
@@ -187,6 +184,13 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _remember(cache: dict[str, Any], cache_file: Path, key: str, found: Any) -> None:
+    """Store one static search's answer ((P, D), summary) or None, and write the cache file at once."""
+    cache[key] = None if found is None else [list(found[0]), found[1]]
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    cache_file.write_text(json.dumps(cache, indent=1))
 
 
 def _equal_goodput(
@@ -218,9 +222,7 @@ def _equal_goodput(
     out: list[dict[str, Any]] = []
     for (n, r), (s, target, key) in wanted.items():
         if key not in cache:
-            found = searches[(n, r)].result()
-            cache[key] = None if found is None else [list(found[0]), found[1]]
-            cache_file.write_text(json.dumps(cache, indent=1))
+            _remember(cache, cache_file, key, searches[(n, r)].result())
         head = f"{n:<15} {r:<11} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f}  "
         if cache[key] is None:
             print(head + f"no static fleet up to 128+128 reaches {target:g}%", flush=True)

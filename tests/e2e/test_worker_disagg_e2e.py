@@ -230,8 +230,7 @@ def test_a_deleted_registration_comes_back(disagg: Stack) -> None:
     for path in prefill_entries:
         path.unlink()
     wait_until(lambda: frontend.log().count("Removed worker set") > removals, timeout=10, procs=disagg.procs)
-    ready_url = f"{disagg.base_url}/v1/models/{MODEL}/ready"
-    wait_until(lambda: _prefill_present(ready_url), timeout=15, procs=disagg.procs)
+    wait_until(lambda: model_ready(disagg.base_url, MODEL, ("prefill",)), timeout=15, procs=disagg.procs)
     assert all(path.exists() for path in prefill_entries)
     assert prefill.log().count(RESTORED_MARK) - restored == 2
     out = disagg.complete({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
@@ -277,6 +276,3 @@ async def test_a_prefill_drain_waits_for_kv_no_decode_worker_read(
     assert frontend.popen.poll() is None
 
 
-def _prefill_present(ready_url: str) -> bool:
-    status, ready = http_json(ready_url)
-    return status == 200 and "prefill" in ready["namespaces"]["dynamo"]["present"]
