@@ -274,5 +274,3 @@ async def test_a_prefill_drain_waits_for_kv_no_decode_worker_read(
     assert code == 3, log[-3000:]
     assert time.monotonic() - started >= PREFILL_DRAIN_S - 1  # it waited through the grace period
     assert frontend.popen.poll() is None
-
-
