@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from dynamo.common.ports import free_port
+from dynamo.vllm.runtime_workarounds.file_discovery_keepalive import KEEPING_MARK, restore_entry
 from dynamo_fpm_testing.disagg_support import process_cpu_seconds
 from dynamo_fpm_testing.nats_server import EmbeddedNatsServer
 from dynamo_fpm_testing.stall_meter import Deadline, running_s
@@ -224,17 +225,28 @@ def test_a_deleted_registration_comes_back(disagg: Stack) -> None:
     prefill_entries = [p for p in disagg.file_kv.rglob("*") if p.is_file() and "%2Fprefill%2F" in p.name]
     assert len(prefill_entries) == 2, prefill_entries  # instances/ and mdc/
     frontend, prefill = disagg.procs[0], disagg.procs[1]
+    # The keep-alive can only write back what it has read: the module's first tests can end within its 2 s
+    # interval of registration, and the runtime writes the instance concurrently with the model card.
+    kept = [f"{KEEPING_MARK} {path.relative_to(disagg.file_kv)} alive" for path in prefill_entries]
+    wait_until(lambda: all(line in prefill.log() for line in kept), timeout=10, procs=disagg.procs)
     removals = frontend.log().count("Removed worker set")
     # A stall earlier in the module may already have made the worker write its entries back.
     restored = prefill.log().count(RESTORED_MARK)
-    for path in prefill_entries:
-        path.unlink()
-    wait_until(lambda: frontend.log().count("Removed worker set") > removals, timeout=10, procs=disagg.procs)
-    wait_until(lambda: model_ready(disagg.base_url, MODEL, ("prefill",)), timeout=15, procs=disagg.procs)
-    assert all(path.exists() for path in prefill_entries)
-    assert prefill.log().count(RESTORED_MARK) - restored == 2
-    out = disagg.complete({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
-    assert out["choices"][0]["text"].split() == disagg.reference["text"].split()[:4]
+    content = {path: path.read_bytes() for path in prefill_entries}
+    try:
+        for path in prefill_entries:
+            path.unlink()
+        wait_until(
+            lambda: frontend.log().count("Removed worker set") > removals, timeout=10, procs=disagg.procs
+        )
+        wait_until(lambda: model_ready(disagg.base_url, MODEL, ("prefill",)), timeout=15, procs=disagg.procs)
+        assert all(path.exists() for path in prefill_entries)
+        assert prefill.log().count(RESTORED_MARK) - restored == 2
+        out = disagg.complete({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert out["choices"][0]["text"].split() == disagg.reference["text"].split()[:4]
+    finally:  # on a failure too, the next test gets a registered prefill worker (create-if-absent)
+        for path, data in content.items():
+            restore_entry(path, data)
 
 
 async def test_a_prefill_drain_waits_for_kv_no_decode_worker_read(

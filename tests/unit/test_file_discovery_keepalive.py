@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,136 @@ def test_started_only_for_file_discovery_with_a_folder(
     assert ka.start_for_worker("file", WORKER) is None
     with pytest.raises(ValueError):
         ka.FileDiscoveryKeepAlive(tmp_path, WORKER, interval_s=0)
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_an_entry_written_after_the_first_pass_is_learned_at_once_and_written_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CI failure: the runtime wrote the endpoint instance a moment after the keep-alive's first pass (the
+    model card was there), and both entries were deleted before the next pass, 2 s later: the instance was
+    never read, so never written back (the model card was). Now the keep-alive passes every LEARN_INTERVAL_S
+    until each of the worker's folders holds a known entry, then settles at its interval."""
+    mdc = _entry(tmp_path, "mdc", WORKER, 0)
+    keeper = ka.FileDiscoveryKeepAlive(tmp_path, WORKER, interval_s=30, expect=ka.WORKER_FOLDERS).start()
+    try:
+        assert _wait_for(lambda: keeper.known() == [mdc])
+        instance = _entry(tmp_path, "instances", WORKER, 0)  # the serving task registers it now
+        assert _wait_for(lambda: instance in keeper.known(), timeout_s=2), "the instance was never read"
+        assert keeper.unknown_folders() == []
+        passes: list[int] = []
+        touch = ka.touch_owned_files
+
+        def counted(root: Path, connection_id: int) -> list[Path]:
+            passes.append(1)
+            return touch(root, connection_id)
+
+        monkeypatch.setattr(ka, "touch_owned_files", counted)
+        time.sleep(0.3)
+        assert passes == []  # learned: back to the 30 s interval
+        instance.unlink()  # what another process's expiry does, before the thread's next pass
+        mdc.unlink()
+        keeper.run_once()  # that pass
+    finally:
+        keeper.stop()
+    assert instance.exists() and mdc.exists()
+    assert keeper.restored == 2
+
+
+def test_an_error_on_one_entry_does_not_stop_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    instance = _entry(tmp_path, "instances", WORKER, 0)
+    mdc = _entry(tmp_path, "mdc", WORKER, 0)
+    keeper = ka.FileDiscoveryKeepAlive(tmp_path, WORKER)
+    keeper.run_once()
+    instance.unlink()
+    mdc.unlink()
+    restore = ka.restore_entry
+
+    def failing(path: Path, content: bytes) -> bool:
+        if path == instance:
+            raise PermissionError(13, "Permission denied")
+        return restore(path, content)
+
+    monkeypatch.setattr(ka, "restore_entry", failing)
+    with caplog.at_level(logging.WARNING):
+        keeper.run_once()
+    assert mdc.exists() and not instance.exists()  # instances/ sorts first: its error did not stop mdc/
+    assert f"cannot write back {instance.relative_to(tmp_path)}" in caplog.text
+    monkeypatch.setattr(ka, "restore_entry", restore)
+    keeper.run_once()  # the next pass checks every entry again
+    assert instance.exists()
+    assert keeper.restored == 2
+
+
+def test_a_failing_pass_does_not_end_the_thread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entry = _entry(tmp_path, "mdc", WORKER, 0)
+    touch = ka.touch_owned_files
+    calls: list[int] = []
+
+    def first_fails(root: Path, connection_id: int) -> list[Path]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return touch(root, connection_id)
+
+    monkeypatch.setattr(ka, "touch_owned_files", first_fails)
+    with caplog.at_level(logging.WARNING):
+        keeper = ka.FileDiscoveryKeepAlive(tmp_path, WORKER, interval_s=0.05).start()
+        try:
+            assert _wait_for(lambda: keeper.known() == [entry])
+        finally:
+            keeper.stop()
+    assert "pass failed" in caplog.text
+
+
+def test_each_entry_is_reported_once_and_each_pass_at_debug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    instance = _entry(tmp_path, "instances", WORKER, 0)
+    mdc = _entry(tmp_path, "mdc", WORKER, 0)
+    keeper = ka.FileDiscoveryKeepAlive(tmp_path, WORKER, expect=ka.WORKER_FOLDERS)
+    with caplog.at_level(logging.DEBUG, logger=ka.__name__):
+        keeper.run_once()
+        keeper.run_once()
+        instance.unlink()
+        keeper.run_once()
+    name = str(instance.relative_to(tmp_path))
+    assert caplog.text.count(ka.KEEPING_MARK) == 2
+    assert f"{ka.KEEPING_MARK} {mdc.relative_to(tmp_path)} alive" in caplog.text
+    assert f"1 present, missing ['{name}'], rewritten ['{name}'], no entry yet in []" in caplog.text
+
+
+def test_learning_ends_after_the_runtimes_expiry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ka, "LEARN_FOR_S", 0.1)
+    _entry(tmp_path, "mdc", WORKER, 0)
+    keeper = ka.FileDiscoveryKeepAlive(tmp_path, WORKER, interval_s=30, expect=ka.WORKER_FOLDERS)
+    with caplog.at_level(logging.WARNING):
+        keeper.start()
+        try:
+            assert _wait_for(lambda: "no entry of this worker" in caplog.text, timeout_s=2)
+        finally:
+            keeper.stop()
+    assert keeper.unknown_folders() == [ka.WORKER_FOLDERS[0]]
+    assert "v1/instances after 0 s" in caplog.text
+
+
+def test_a_worker_expects_its_instance_and_model_card(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DYN_FILE_KV", str(tmp_path))
+    keeper = ka.start_for_worker("file", WORKER)
+    assert keeper is not None
+    keeper.stop()
+    assert keeper.expect == (os.path.join("v1", "instances"), os.path.join("v1", "mdc"))
