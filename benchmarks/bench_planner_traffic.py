@@ -6,10 +6,12 @@ static P+D fleet reaching 95% (each pool on its own; cached under ``.cache/``), 
 that fleet at each cold start and from 1+1 at 0 s. Prints one row per run: goodput, GPU-hours as a ratio to
 the static fleet's, changes of direction per pool per 30 minutes, and the issue's targets (YES/NO). A second
 table sets each 0 s run from the need against the cheapest static fleet reaching that run's own goodput.
-Searches and planner runs go to ``--jobs`` worker processes; progress lines go to stderr.
+Dynamo's KV router breaks ties at random, so a KV-routed run is one draw: ``--repeat N`` runs each N times,
+prints the median run (by GPU-hours) and the spread under it, and keeps every run in ``--json``. Searches and
+planner runs go to ``--jobs`` worker processes; progress lines go to stderr.
 
     python benchmarks/bench_planner_traffic.py [--workloads azure-conv-x1,...] [--trace FILE ...] \
-        [--routers round-robin,kv] [--startups 0,60] [--jobs N] [--config FILE] [--json FILE]
+        [--routers round-robin,kv] [--startups 0,60] [--repeat N] [--jobs N] [--config FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dynamo.planner.sim.harness import ROUTERS
 from dynamo.planner.sim.inputs import SimInputError, check_trace
 from dynamo.planner.sim.prefixes import DEFAULT_SHARE
 from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, workload_row, workload_spec, workload_static
-from dynamo.planner.sim.traffic_targets import judge
+from dynamo.planner.sim.traffic_targets import Verdict, judge
 from dynamo.planner.sim.workloads import WORKLOADS, write_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +93,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the prefix sharing's (and generators') seed")
     ap.add_argument("--prefix-share", type=float, default=DEFAULT_SHARE, help="requests continuing one")
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="runs of each KV-routed planner row: the median is printed with the spread (default: 1; "
+        "round-robin runs repeat to the digit and run once)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs in parallel (default: cores)")
     ap.add_argument("--json", help="write every row to this file")
     ap.add_argument(
@@ -106,8 +116,9 @@ def main() -> int:
     names = [n.strip() for n in workloads.split(",") if n.strip()]
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [n for n in names if n not in WORKLOADS] + [r for r in routers if r not in ROUTERS]
-    if bad or args.jobs < 1:
-        print(f"unknown workload or router {bad[0]!r}" if bad else "--jobs: 1 or more", file=sys.stderr)
+    if bad or args.jobs < 1 or args.repeat < 1:
+        what = "--jobs" if args.jobs < 1 else "--repeat"
+        print(f"unknown workload or router {bad[0]!r}" if bad else f"{what}: 1 or more", file=sys.stderr)
         return 2
     given: dict[str, Path] = {}
     for file in args.trace:
@@ -148,15 +159,20 @@ def main() -> int:
         for r in routers:
             if _key(traces[n], r) not in cache:
                 searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r)
-    runs: dict[tuple[str, str, str, float], Future[dict[str, Any]]] = {}
+    runs: dict[RunKey, list[Future[dict[str, Any]]]] = {}
+
+    def submit(n: str, r: str, start: str, st: float, initial: tuple[int, int]) -> None:
+        times = args.repeat if r == "kv" else 1
+        runs[(n, r, start, st)] = [
+            pool.submit(workload_row, n, str(traces[n]), r, st, initial, mapping) for _ in range(times)
+        ]
+
     fleets: dict[tuple[str, str], Any] = {}
     try:
         # Runs from 1+1 need no static fleet: they start at once; the others as each search ends.
         for n in names:
             for r in routers:
-                runs[(n, r, "1+1", 0.0)] = pool.submit(
-                    workload_row, n, str(traces[n]), r, 0.0, (1, 1), mapping
-                )
+                submit(n, r, "1+1", 0.0, (1, 1))
         for n in names:
             for r in routers:
                 key = _key(traces[n], r)
@@ -172,9 +188,7 @@ def main() -> int:
                     continue
                 need = (int(cache[key][0][0]), int(cache[key][0][1]))
                 for st in startups:
-                    runs[(n, r, "need", st)] = pool.submit(
-                        workload_row, n, str(traces[n]), r, st, need, mapping
-                    )
+                    submit(n, r, "need", st, need)
         results = _print(names, routers, startups, fleets, runs)
         if 0.0 in startups:
             results += _equal_goodput(names, routers, traces, runs, cache, cache_file, pool)
@@ -184,6 +198,32 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+RunKey = tuple[str, str, str, float]  # (workload, router, "need" or "1+1", cold start in seconds)
+
+
+def median_run(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run printed for a row: the median by GPU-hours (the lower middle of an even count)."""
+    return sorted(summaries, key=lambda s: float(s["gpu_hours"]))[(len(summaries) - 1) // 2]
+
+
+def spread_line(summaries: list[dict[str, Any]], verdicts: list[Verdict], static_gpu_h: float | None) -> str:
+    """The spread of a row's repeated runs: goodput, GPU-hours ratio, changes of direction, targets met."""
+
+    def span(values: list[float], fmt: str) -> str:
+        lo, hi = min(values), max(values)
+        return format(lo, fmt) if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}-{hi:{fmt}}"
+
+    good = span([float(s["goodput_pct"]) for s in summaries], ".1f")
+    gpu = [float(s["gpu_hours"]) for s in summaries]
+    cost = f"{span([g / static_gpu_h for g in gpu], '.2f')}x" if static_gpu_h else f"{span(gpu, '.3f')} GPU-h"
+    flips = ",".join(span([v.flips_per_30_min[p] for v in verdicts], ".1f") for p in ("prefill", "decode"))
+    met = sum(v.met for v in verdicts)
+    return (
+        f"{'':<15} {len(summaries)} runs: goodput {good}%, {cost}, changes of direction per 30 min {flips}, "
+        f"targets met in {met} of {len(summaries)}"
+    )
 
 
 def _remember(cache: dict[str, Any], cache_file: Path, key: str, found: Any) -> None:
@@ -197,7 +237,7 @@ def _equal_goodput(
     names: list[str],
     routers: list[str],
     traces: dict[str, Path],
-    runs: dict[tuple[str, str, str, float], Future[dict[str, Any]]],
+    runs: dict[RunKey, list[Future[dict[str, Any]]]],
     cache: dict[str, Any],
     cache_file: Path,
     pool: ProcessPoolExecutor,
@@ -210,7 +250,7 @@ def _equal_goodput(
         for r in routers:
             if (n, r, "need", 0.0) not in runs:
                 continue
-            s = runs[(n, r, "need", 0.0)].result()
+            s = median_run([f.result() for f in runs[(n, r, "need", 0.0)]])
             target = int(float(s["goodput_pct"]) * 10) / 10
             key = f"{_key(traces[n], r)}@{target:g}"
             wanted[(n, r)] = (s, target, key)
@@ -242,7 +282,7 @@ def _print(
     routers: list[str],
     startups: list[float],
     fleets: dict[tuple[str, str], Any],
-    runs: dict[tuple[str, str, str, float], Future[dict[str, Any]]],
+    runs: dict[RunKey, list[Future[dict[str, Any]]]],
 ) -> list[dict[str, Any]]:
     print(HEADER)
     print(f"{'':<15} {'':<11} {'':<6} {'':>5}  {'':>8} {'':>7} {'':>7} {'':>13} {'':>8} {'':>6}  targets met")
@@ -262,13 +302,15 @@ def _print(
             for start, st in keys:
                 if (n, r, start, st) not in runs:
                     continue
-                s = runs[(n, r, start, st)].result()
+                summaries = [f.result() for f in runs[(n, r, start, st)]]
                 label = "need" if start == "need" else "1+1"
-                print(row(n, r, label, f"{st:g}", s, static_gpu_h), flush=True)
-                v = judge(s, st, start == "1+1", static_gpu_h)
-                results.append(
-                    {**s, "from": start, "targets_met": v.met, "gpu_hours_ratio": v.gpu_hours_ratio}
-                )
+                print(row(n, r, label, f"{st:g}", median_run(summaries), static_gpu_h), flush=True)
+                verdicts = [judge(s, st, start == "1+1", static_gpu_h) for s in summaries]
+                for i, (s, v) in enumerate(zip(summaries, verdicts, strict=True)):
+                    one = {**s, "from": start, "targets_met": v.met, "gpu_hours_ratio": v.gpu_hours_ratio}
+                    results.append(one if len(summaries) == 1 else {**one, "repeat": i})
+                if len(summaries) > 1:
+                    print(spread_line(summaries, verdicts, static_gpu_h), flush=True)
     return results
 
 

@@ -442,3 +442,22 @@ def test_the_traffic_benchmark_runs_a_trace_of_ones_own(tmp_path: Path) -> None:
     assert {r["scenario"] for r in rows} == {"my-trace"} and len(rows) == 4
     assert all(r["router"] == "round-robin" and r["sla_ttft_ms"] == 2000.0 for r in rows)
     assert (tmp_path / "cache" / "static.json").is_file()
+
+
+def test_the_traffic_benchmark_repeats_kv_routed_runs_and_prints_their_spread(tmp_path: Path) -> None:
+    """`--repeat N`: the KV router breaks ties at random, so each KV-routed planner row runs N times; the
+    median run is printed with the spread under it, and every run is in the JSON."""
+    from dynamo_fpm_testing.planner_support import run_benchmark
+
+    trace = write_trace(Scenario("mine", "", (Phase(60, 2, 1000, 50),)), tmp_path / "my-trace.jsonl")
+    out = tmp_path / "rows.json"
+    args = ("--trace", str(trace), "--routers", "kv", "--startups", "0", "--repeat", "3", "--jobs", "1")
+    done = run_benchmark(
+        "bench_planner_traffic.py", *args, "--cache", str(tmp_path / "cache"), "--json", str(out), timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    spreads = [line for line in done.stdout.splitlines() if " 3 runs: goodput " in line]
+    assert len(spreads) == 2 and all("targets met in " in line for line in spreads), done.stdout
+    runs = [r for r in json.loads(out.read_text()) if "from" in r]
+    expected = [(start, i) for start in ("1+1", "need") for i in range(3)]
+    assert sorted((r["from"], r["repeat"]) for r in runs) == expected
