@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
+from dynamo.planner.sim.azure_csv import is_azure_csv, read_azure_csv, write_mooncake
 from dynamo.planner.sim.harness import ROUTERS
 from dynamo.planner.sim.inputs import SimInputError, check_trace
 from dynamo.planner.sim.prefixes import DEFAULT_SHARE
@@ -85,13 +86,21 @@ def main() -> int:
         action="append",
         default=[],
         metavar="FILE",
-        help="a Mooncake JSON-lines trace run as a workload of its own, named after its file (repeatable): "
-        "replayed as it is, on the workloads' engines and SLA, its static search from 1+1",
+        help="a trace run as a workload of its own, named after its file (repeatable): Mooncake JSON lines "
+        "replayed as they are, or an Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens) with the "
+        "prefix sharing modelled as for the Azure workloads; on the workloads' engines and SLA, its static "
+        "search from 1+1",
     )
     ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated (default: round-robin,kv)")
     ap.add_argument("--startups", default="0,60", help="cold starts in seconds (default: 0,60)")
     ap.add_argument("--seed", type=int, default=0, help="the prefix sharing's (and generators') seed")
-    ap.add_argument("--prefix-share", type=float, default=DEFAULT_SHARE, help="requests continuing one")
+    ap.add_argument(
+        "--prefix-share",
+        type=float,
+        default=DEFAULT_SHARE,
+        help=f"the share of requests continuing an earlier one, on the Azure workloads and Azure-format "
+        f"--trace files (default: {DEFAULT_SHARE:g})",
+    )
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
     ap.add_argument(
         "--repeat",
@@ -120,6 +129,9 @@ def main() -> int:
         what = "--jobs" if args.jobs < 1 else "--repeat"
         print(f"unknown workload or router {bad[0]!r}" if bad else f"{what}: 1 or more", file=sys.stderr)
         return 2
+    if not 0 <= args.prefix_share <= 1:
+        print(f"--prefix-share {args.prefix_share:g}: expected 0 to 1", file=sys.stderr)
+        return 2
     given: dict[str, Path] = {}
     for file in args.trace:
         name = Path(file).stem
@@ -127,14 +139,11 @@ def main() -> int:
             print(f"--trace {file}: the name {name!r} is taken; rename the file", file=sys.stderr)
             return 2
         try:
-            check_trace(file)
+            converted = cache_dir / f"{name}-{args.seed}-{args.prefix_share:g}.jsonl"
+            given[name] = _replayable(file, converted, args)
         except SimInputError as exc:
             print(f"--trace: {exc}", file=sys.stderr)
             return 2
-        given[name] = Path(file)
-    if not 0 <= args.prefix_share <= 1:
-        print(f"--prefix-share {args.prefix_share:g}: expected 0 to 1", file=sys.stderr)
-        return 2
     try:
         startups = [float(x) for x in args.startups.split(",")]
         mapping = merge(SUITE_FLEET_LIMITS, load_config_arg(args.config))
@@ -224,6 +233,23 @@ def spread_line(summaries: list[dict[str, Any]], verdicts: list[Verdict], static
         f"{'':<15} {len(summaries)} runs: goodput {good}%, {cost}, changes of direction per 30 min {flips}, "
         f"targets met in {met} of {len(summaries)}"
     )
+
+
+def _replayable(file: str, converted: Path, args: argparse.Namespace) -> Path:
+    """``--trace FILE`` as a Mooncake trace: itself, checked; or an Azure-format CSV written to ``converted``
+    with the prefix sharing modelled (``--prefix-share``, ``--seed``), as the Azure workloads are."""
+    if not is_azure_csv(file):
+        check_trace(file)
+        return Path(file)
+    trace = read_azure_csv(file)
+    write_mooncake(trace, converted, args.prefix_share, args.seed)
+    left_out = f", {trace.skipped} rows without prompt or output tokens left out" if trace.skipped else ""
+    print(
+        f"--trace {file}: Azure format, {len(trace.rows)} requests{left_out}; "
+        f"{args.prefix_share:g} of them continue an earlier one (seed {args.seed})",
+        file=sys.stderr,
+    )
+    return converted
 
 
 def _remember(cache: dict[str, Any], cache_file: Path, key: str, found: Any) -> None:

@@ -461,3 +461,52 @@ def test_the_traffic_benchmark_repeats_kv_routed_runs_and_prints_their_spread(tm
     runs = [r for r in json.loads(out.read_text()) if "from" in r]
     expected = [(start, i) for start in ("1+1", "need") for i in range(3)]
     assert sorted((r["from"], r["repeat"]) for r in runs) == expected
+
+
+def _azure_csv(path: Path, count: int) -> Path:
+    """The coding trace's first ``count`` requests, written back in Azure's published format."""
+    from datetime import UTC, datetime, timedelta
+
+    from dynamo.planner.sim.azure import azure_rows
+
+    start = datetime(2023, 11, 16, 18, 17, 3, tzinfo=UTC)
+    lines = [
+        f"{(start + timedelta(milliseconds=t)).strftime('%Y-%m-%d %H:%M:%S.%f')}0,{isl},{osl}\n"
+        for t, isl, osl in azure_rows("code")[:count]
+    ]
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(lines))
+    return path
+
+
+def test_an_azure_format_trace_replays_with_its_modelled_sharing(tmp_path: Path) -> None:
+    """`simulate --trace x.csv` (Azure's format) replays the same requests as the Mooncake trace converted
+    from it with the same share and seed; `--prefix-share` on a Mooncake trace is refused (it has its ids)."""
+    from dynamo.planner.sim.azure_csv import read_azure_csv, write_mooncake
+
+    csv_file = _azure_csv(tmp_path / "code.csv", 600)
+    jsonl = write_mooncake(read_azure_csv(csv_file), tmp_path / "code.jsonl", share=0.3, seed=2)
+    common = ("--static", "2,1", "--sla-ttft-ms", "2000", "--json", "--quiet")
+    done = _cli("--trace", str(csv_file), "--prefix-share", "0.3", "--seed", "2", *common)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from_csv = json.loads(done.stdout.strip().splitlines()[-1])
+    from_jsonl = _simulate_json(jsonl, *common[:-2])
+    assert from_csv["requests"] == 600 and from_csv["prefix_cache_reused_pct"] > 5
+    for key in ("goodput_pct", "gpu_hours", "prefix_cache_reused_pct", "p90_ttft_ms"):
+        assert from_csv[key] == from_jsonl[key], key
+    done = _cli("--trace", str(jsonl), "--prefix-share", "0.3")
+    assert done.returncode == 2 and "a Mooncake trace carries its own hash_ids" in done.stderr
+
+
+def test_the_traffic_benchmark_takes_an_azure_format_trace(tmp_path: Path) -> None:
+    """`bench_planner_traffic.py --trace x.csv`: converted with the modelled sharing, then judged as a
+    workload under its file's name."""
+    from dynamo_fpm_testing.planner_support import run_benchmark
+
+    csv_file = _azure_csv(tmp_path / "published-code.csv", 300)
+    args = ("--trace", str(csv_file), "--routers", "round-robin", "--startups", "0", "--jobs", "1")
+    done = run_benchmark("bench_planner_traffic.py", *args, "--cache", str(tmp_path / "cache"), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Azure format, 300 requests; 0.5 of them continue an earlier one (seed 0)" in done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("published-code ")]
+    assert [line[2] for line in rows[:3]] == ["1+1", "need", "1+1"], done.stdout
+    assert (tmp_path / "cache" / "published-code-0-0.5.jsonl").is_file()

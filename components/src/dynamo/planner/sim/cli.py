@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from ..config import ConfigError, PlannerConfig
+from .azure_csv import is_azure_csv, read_azure_csv, write_mooncake
 from .connector import POOLS
 from .harness import ROUTERS, SimSpec, simulate
 from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg
@@ -29,7 +30,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--trace",
         action="append",
         metavar="FILE",
-        help="Mooncake JSON-lines trace (repeatable)",
+        help="Mooncake JSON-lines trace, or an Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens) "
+        "replayed with modelled prefix sharing (--prefix-share, --seed) (repeatable)",
     )
     source.add_argument(
         "--scenario",
@@ -39,13 +41,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "workload's (azure-conv-x2, gen-bursty, ...: long-context engines); docs/planner-evaluation.md "
         "lists them",
     )
-    sp.add_argument("--seed", type=int, default=0, help="--scenario: the trace's seed (default: 0)")
+    sp.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="--scenario: the trace's seed; an Azure-format --trace: the prefix sharing's (default: 0)",
+    )
     sp.add_argument(
         "--prefix-share",
         type=float,
         metavar="F",
-        help=f"--scenario, a workload: the share of requests continuing an earlier one (default: "
-        f"{DEFAULT_SHARE:g})",
+        help=f"--scenario, a workload, or an Azure-format --trace: the share of requests continuing an "
+        f"earlier one (default: {DEFAULT_SHARE:g})",
     )
     sp.add_argument(
         "--router",
@@ -165,6 +172,34 @@ def scenario_trace(args: argparse.Namespace, folder: str) -> str:
     raise SimInputError(f"scenario: unknown {name!r}; known: {known}")
 
 
+def replayable_traces(args: argparse.Namespace, folder: str, quiet: bool = False) -> list[str]:
+    """``--trace`` files as Mooncake traces: Azure-format CSVs converted under ``folder`` with the prefix
+    sharing modelled; ``--prefix-share`` refused when no file is one (a Mooncake trace has its hash ids)."""
+    share = DEFAULT_SHARE if args.prefix_share is None else args.prefix_share
+    out: list[str] = []
+    for i, path in enumerate(args.trace):
+        if not is_azure_csv(path):
+            out.append(path)
+            continue
+        trace = read_azure_csv(path)
+        out.append(str(write_mooncake(trace, f"{folder}/trace-{i}.jsonl", share, args.seed)))
+        if not quiet:
+            left_out = (
+                f", {trace.skipped} rows without prompt or output tokens left out" if trace.skipped else ""
+            )
+            print(
+                f"simulate: {path}: Azure format, {len(trace.rows)} requests{left_out}; {share:g} of them "
+                f"continue an earlier one (seed {args.seed})",
+                file=sys.stderr,
+            )
+    if args.prefix_share is not None and out == list(args.trace):
+        raise SimInputError(
+            "prefix-share: applies to --scenario and Azure-format traces; a Mooncake trace carries its "
+            "own hash_ids"
+        )
+    return out
+
+
 def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
     who = f"static {s['static'][0]}+{s['static'][1]}" if s["static"] else f"planner (target {cfg.target})"
 
@@ -203,6 +238,9 @@ def run(args: argparse.Namespace, cfg: PlannerConfig, out: TextIO = sys.stdout) 
         try:
             if args.scenario:
                 args = argparse.Namespace(**{**vars(args), "trace": [scenario_trace(args, folder)]})
+            else:
+                traces = replayable_traces(args, folder, quiet=args.quiet)
+                args = argparse.Namespace(**{**vars(args), "trace": traces})
             spec = build_spec(args, cfg)
         except (SimInputError, ConfigError) as exc:
             print(f"dynamo.planner simulate: error: {exc}", file=sys.stderr)

@@ -18,7 +18,8 @@ from typing import Any
 
 from . import generators as gen
 from .azure import azure_rows, compressed
-from .prefixes import DEFAULT_SHARE, block_hashes
+from .azure_csv import mooncake_requests
+from .prefixes import DEFAULT_SHARE, LOOKBACK_S, block_hashes
 
 # Long-context engines: prefill 8192 and decode 4096 blocks of 64 tokens, 64 sequences, 256k context.
 LONG_CONTEXT = {
@@ -42,12 +43,7 @@ class Workload:
 
 def _azure(trace: str, speedup: float) -> Build:
     def build(seed: int, share: float) -> list[dict[str, Any]]:
-        rows = compressed(azure_rows(trace), speedup)
-        hashes = block_hashes(rows, share, seed, lookback_s=600.0 / speedup)
-        return [
-            {"timestamp": t, "input_length": isl, "output_length": osl, "hash_ids": ids}
-            for (t, isl, osl), ids in zip(rows, hashes, strict=True)
-        ]
+        return mooncake_requests(compressed(azure_rows(trace), speedup), share, seed, LOOKBACK_S / speedup)
 
     return build
 
