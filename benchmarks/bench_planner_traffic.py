@@ -30,7 +30,7 @@ from dynamo.planner.config import ConfigError, config_from_mapping, load_config_
 from dynamo.planner.sim.azure_csv import is_azure_csv, read_azure_csv, write_mooncake
 from dynamo.planner.sim.harness import ROUTERS
 from dynamo.planner.sim.inputs import SimInputError, check_trace
-from dynamo.planner.sim.prefixes import DEFAULT_SHARE
+from dynamo.planner.sim.prefixes import BLOCK_TOKENS, DEFAULT_SHARE
 from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, workload_row, workload_spec, workload_static
 from dynamo.planner.sim.traffic_targets import Verdict, judge
 from dynamo.planner.sim.workloads import WORKLOADS, write_workload
@@ -67,11 +67,11 @@ def row(name: str, router: str, start: str, cold: str, s: dict[str, Any], static
     )
 
 
-def _key(trace: Path, router: str) -> str:
+def _key(trace: Path, router: str, block_size: int = BLOCK_TOKENS) -> str:
     h = hashlib.sha1(trace.read_bytes())
-    spec = workload_spec(trace, (1, 1), 0.0, router)
+    spec = workload_spec(trace, (1, 1), 0.0, router, block_size)
     h.update(json.dumps([spec.prefill_engine_args, spec.decode_engine_args, spec.sla_ttft_ms]).encode())
-    h.update(json.dumps([spec.sla_itl_ms, router]).encode())
+    h.update(json.dumps([spec.sla_itl_ms, router, spec.trace_block_size]).encode())
     return h.hexdigest()[:16]
 
 
@@ -90,6 +90,14 @@ def main() -> int:
         "replayed as they are, or an Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens) with the "
         "prefix sharing modelled as for the Azure workloads; on the workloads' engines and SLA, its static "
         "search from 1+1",
+    )
+    ap.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=BLOCK_TOKENS,
+        metavar="N",
+        help=f"prompt tokens each hash id of a Mooncake --trace stands for (default: {BLOCK_TOKENS}, as in "
+        f"the traces written here; Mooncake's published traces hash 512-token blocks)",
     )
     ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated (default: round-robin,kv)")
     ap.add_argument("--startups", default="0,60", help="cold starts in seconds (default: 0,60)")
@@ -125,14 +133,15 @@ def main() -> int:
     names = [n.strip() for n in workloads.split(",") if n.strip()]
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [n for n in names if n not in WORKLOADS] + [r for r in routers if r not in ROUTERS]
-    if bad or args.jobs < 1 or args.repeat < 1:
-        what = "--jobs" if args.jobs < 1 else "--repeat"
+    if bad or args.jobs < 1 or args.repeat < 1 or args.trace_block_size < 1:
+        what = "--jobs" if args.jobs < 1 else "--repeat" if args.repeat < 1 else "--trace-block-size"
         print(f"unknown workload or router {bad[0]!r}" if bad else f"{what}: 1 or more", file=sys.stderr)
         return 2
     if not 0 <= args.prefix_share <= 1:
         print(f"--prefix-share {args.prefix_share:g}: expected 0 to 1", file=sys.stderr)
         return 2
     given: dict[str, Path] = {}
+    block_of: dict[str, int] = {}
     for file in args.trace:
         name = Path(file).stem
         if name in WORKLOADS or name in given:
@@ -141,6 +150,7 @@ def main() -> int:
         try:
             converted = cache_dir / f"{name}-{args.seed}-{args.prefix_share:g}.jsonl"
             given[name] = _replayable(file, converted, args)
+            block_of[name] = args.trace_block_size if given[name] == Path(file) else BLOCK_TOKENS
         except SimInputError as exc:
             print(f"--trace: {exc}", file=sys.stderr)
             return 2
@@ -160,20 +170,24 @@ def main() -> int:
     }
     traces.update(given)
     names += list(given)
+    # Prompt tokens per hash id: 64 in every trace written here (workloads, Azure CSVs), a Mooncake
+    # --trace's --trace-block-size.
+    blocks = {n: block_of.get(n, BLOCK_TOKENS) for n in names}
     cache_file = cache_dir / "static.json"
     cache: dict[str, Any] = json.loads(cache_file.read_text()) if cache_file.exists() else {}
     pool = ProcessPoolExecutor(max_workers=args.jobs)
     searches: dict[tuple[str, str], Future[Any]] = {}
     for n in names:
         for r in routers:
-            if _key(traces[n], r) not in cache:
-                searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r)
+            if _key(traces[n], r, blocks[n]) not in cache:
+                searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r, 95.0, blocks[n])
     runs: dict[RunKey, list[Future[dict[str, Any]]]] = {}
 
     def submit(n: str, r: str, start: str, st: float, initial: tuple[int, int]) -> None:
         times = args.repeat if r == "kv" else 1
         runs[(n, r, start, st)] = [
-            pool.submit(workload_row, n, str(traces[n]), r, st, initial, mapping) for _ in range(times)
+            pool.submit(workload_row, n, str(traces[n]), r, st, initial, mapping, blocks[n])
+            for _ in range(times)
         ]
 
     fleets: dict[tuple[str, str], Any] = {}
@@ -184,7 +198,7 @@ def main() -> int:
                 submit(n, r, "1+1", 0.0, (1, 1))
         for n in names:
             for r in routers:
-                key = _key(traces[n], r)
+                key = _key(traces[n], r, blocks[n])
                 if key not in cache:
                     t0 = time.perf_counter()
                     _remember(cache, cache_file, key, searches[(n, r)].result())
@@ -200,7 +214,7 @@ def main() -> int:
                     submit(n, r, "need", st, need)
         results = _print(names, routers, startups, fleets, runs)
         if 0.0 in startups:
-            results += _equal_goodput(names, routers, traces, runs, cache, cache_file, pool)
+            results += _equal_goodput(names, routers, traces, blocks, runs, cache, cache_file, pool)
     finally:
         pool.shutdown(cancel_futures=True)
     print(f"\n{time.perf_counter() - t_start:.0f} s for the table, {args.jobs} jobs")
@@ -239,7 +253,7 @@ def _replayable(file: str, converted: Path, args: argparse.Namespace) -> Path:
     """``--trace FILE`` as a Mooncake trace: itself, checked; or an Azure-format CSV written to ``converted``
     with the prefix sharing modelled (``--prefix-share``, ``--seed``), as the Azure workloads are."""
     if not is_azure_csv(file):
-        check_trace(file)
+        check_trace(file, args.trace_block_size)
         return Path(file)
     trace = read_azure_csv(file)
     write_mooncake(trace, converted, args.prefix_share, args.seed)
@@ -263,6 +277,7 @@ def _equal_goodput(
     names: list[str],
     routers: list[str],
     traces: dict[str, Path],
+    blocks: dict[str, int],
     runs: dict[RunKey, list[Future[dict[str, Any]]]],
     cache: dict[str, Any],
     cache_file: Path,
@@ -278,10 +293,10 @@ def _equal_goodput(
                 continue
             s = median_run([f.result() for f in runs[(n, r, "need", 0.0)]])
             target = int(float(s["goodput_pct"]) * 10) / 10
-            key = f"{_key(traces[n], r)}@{target:g}"
+            key = f"{_key(traces[n], r, blocks[n])}@{target:g}"
             wanted[(n, r)] = (s, target, key)
             if key not in cache:
-                searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r, target)
+                searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r, target, blocks[n])
     print("\nAt equal goodput (0 s, from the need): the cheapest static fleet reaching the run's goodput")
     cols = ("workload", "router", "planner", "GPU-h", "static", "goodput", "GPU-h", "x")
     print("{:<15} {:<11} {:>8} {:>7}  {:>7} {:>8} {:>7} {:>5}".format(*cols))

@@ -510,3 +510,27 @@ def test_the_traffic_benchmark_takes_an_azure_format_trace(tmp_path: Path) -> No
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("published-code ")]
     assert [line[2] for line in rows[:3]] == ["1+1", "need", "1+1"], done.stdout
     assert (tmp_path / "cache" / "published-code-0-0.5.jsonl").is_file()
+
+
+def test_a_shared_hash_id_counts_the_tokens_of_one_block(tmp_path: Path) -> None:
+    """The traces written here hash 64-token blocks: a request sharing 3 ids of an earlier one (192 of its
+    1,280 tokens) finds 7.5% of the two prompts' tokens cached. Replayed at the simulator's own default (512
+    tokens per id, Mooncake's), the same 3 ids would cover the whole prompt: 47.5%, what every workload's
+    sharing was counted at before ``trace_block_size`` was passed."""
+    trace = tmp_path / "share.jsonl"
+    first = {"timestamp": 0, "input_length": 1280, "output_length": 5, "hash_ids": list(range(20))}
+    second = {
+        "timestamp": 2000,
+        "input_length": 1280,
+        "output_length": 5,
+        "hash_ids": [0, 1, 2, *range(100, 117)],
+    }
+    trace.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    ours = _simulate_json(trace, "--static", "1,1")
+    assert ours["prefix_cache_reused_pct"] == pytest.approx(7.5, abs=0.01)
+    mooncake = _simulate_json(trace, "--static", "1,1", "--trace-block-size", "512")
+    assert mooncake["prefix_cache_reused_pct"] == pytest.approx(47.5, abs=0.01)
+    done = _cli("--trace", str(trace), "--trace-block-size", "32")
+    assert done.returncode == 2 and "20 hash_ids of 32 tokens cannot hold input_length 1280" in done.stderr
+    done = _cli("--scenario", "ramp", "--trace-block-size", "512")
+    assert done.returncode == 2 and "trace-block-size: applies to --trace" in done.stderr

@@ -211,6 +211,7 @@ def test_the_traffic_benchmark_refuses_bad_arguments_before_simulating(tmp_path:
         (["--workloads", "gen-bursty", "--routers", "hash"], "unknown workload or router 'hash'"),
         (["--prefix-share", "1.5"], "--prefix-share 1.5: expected 0 to 1"),
         (["--repeat", "0"], "--repeat: 1 or more"),
+        (["--trace-block-size", "0"], "--trace-block-size: 1 or more"),
         (["--trace", str(tmp_path / "none.jsonl")], "none.jsonl: no such file"),
         (["--trace", str(clash)], "the name 'azure-conv-x1' is taken"),
         (["--trace", str(broken)], "broken.jsonl line 1"),

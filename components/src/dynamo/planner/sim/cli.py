@@ -16,7 +16,7 @@ from .azure_csv import is_azure_csv, read_azure_csv, write_mooncake
 from .connector import POOLS
 from .harness import ROUTERS, SimSpec, simulate
 from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg
-from .prefixes import DEFAULT_SHARE
+from .prefixes import BLOCK_TOKENS, DEFAULT_SHARE
 from .scenarios import SCENARIOS, write_trace
 from .workloads import LONG_CONTEXT, SLA_ITL_MS, SLA_TTFT_MS, WORKLOADS, write_workload
 
@@ -53,6 +53,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="F",
         help=f"--scenario, a workload, or an Azure-format --trace: the share of requests continuing an "
         f"earlier one (default: {DEFAULT_SHARE:g})",
+    )
+    sp.add_argument(
+        "--trace-block-size",
+        type=int,
+        metavar="N",
+        help=f"--trace (Mooncake): prompt tokens each hash id stands for (default: {BLOCK_TOKENS}, as in "
+        f"the traces this package writes; Mooncake's published traces hash 512-token blocks)",
     )
     sp.add_argument(
         "--router",
@@ -111,7 +118,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def build_spec(args: argparse.Namespace, cfg: PlannerConfig) -> SimSpec:
-    durations = [check_trace(t) for t in args.trace]
+    block = BLOCK_TOKENS if args.trace_block_size is None else args.trace_block_size
+    durations = [check_trace(t, block) for t in args.trace]
     workload = WORKLOADS.get(args.scenario or "")
     defaults: dict[str, dict[str, Any]] = LONG_CONTEXT if workload else {"prefill": {}, "decode": {}}
     prefill = engine_args(
@@ -152,6 +160,7 @@ def build_spec(args: argparse.Namespace, cfg: PlannerConfig) -> SimSpec:
         static=static,
         trace_duration_s=max(durations),
         router=args.router,
+        trace_block_size=block,
     )
 
 
@@ -192,6 +201,11 @@ def replayable_traces(args: argparse.Namespace, folder: str, quiet: bool = False
                 f"continue an earlier one (seed {args.seed})",
                 file=sys.stderr,
             )
+    block = args.trace_block_size
+    if out != list(args.trace) and block is not None and block != BLOCK_TOKENS:
+        raise SimInputError(
+            f"trace-block-size: an Azure-format trace is converted with {BLOCK_TOKENS}-token blocks"
+        )
     if args.prefix_share is not None and out == list(args.trace):
         raise SimInputError(
             "prefix-share: applies to --scenario and Azure-format traces; a Mooncake trace carries its "
@@ -237,6 +251,10 @@ def run(args: argparse.Namespace, cfg: PlannerConfig, out: TextIO = sys.stdout) 
     with tempfile.TemporaryDirectory(prefix="dynamo-simulate-") as folder:
         try:
             if args.scenario:
+                if args.trace_block_size is not None:
+                    raise SimInputError(
+                        "trace-block-size: applies to --trace; a scenario's trace is written here"
+                    )
                 args = argparse.Namespace(**{**vars(args), "trace": [scenario_trace(args, folder)]})
             else:
                 traces = replayable_traces(args, folder, quiet=args.quiet)

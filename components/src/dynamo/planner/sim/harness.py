@@ -26,6 +26,7 @@ from ..decision_log import DecisionLog
 from ..loop import Planner
 from .connector import POOLS, SimCardSource, SimulatorConnector, engine_capacity
 from .inputs import check_trace, engine_args, merge_traces, quiet_simulator_logs
+from .prefixes import BLOCK_TOKENS
 from .records import queue_snapshot, to_record
 from .stats import direction_flips, percentile
 from .traffic import SimArrivals, arrivals_from
@@ -44,6 +45,9 @@ class SimSpec:
     static: tuple[int, int] | None = None
     trace_duration_s: float = 0.0
     router: str = "round-robin"  # or "kv": Dynamo's KV-aware router (ROUTERS)
+    # Prompt tokens per hash id in the traces: 64 in every trace this package writes (``prefixes``); the
+    # simulator's own default is Mooncake's 512, which would count a shared id as 512 cached tokens.
+    trace_block_size: int = BLOCK_TOKENS
 
     @property
     def startup_time_s(self) -> float:
@@ -292,6 +296,7 @@ def _replay(spec: SimSpec, fleet: tuple[int, int], policy: Any, telemetry_ms: fl
         capture_telemetry=telemetry_ms is not None,
         telemetry_sample_interval_ms=telemetry_ms or 1000.0,
         trace_format="mooncake",
+        trace_block_size=spec.trace_block_size,
         router_mode=ROUTERS[spec.router],
     )
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .prefixes import BLOCK_TOKENS
+
 # The engine pair of docs/planner-evaluation.md: 8192 blocks of 64 tokens, 64 sequences, 16k context.
 DEFAULT_ENGINE: dict[str, Any] = {"num_gpu_blocks": 8192, "max_num_seqs": 64, "max_model_len": 16384}
 DEFAULT_STARTUP_S = 60.0
@@ -40,8 +42,11 @@ class SimInputError(ValueError):
     """Bad input for ``simulate``; the message names the problem in one line."""
 
 
-def check_trace(path: str) -> float:
-    """Validate a Mooncake JSON-lines trace; returns its last arrival time in seconds."""
+def check_trace(path: str, block_size: int = BLOCK_TOKENS) -> float:
+    """Validate a Mooncake JSON-lines trace whose hash ids stand for ``block_size`` prompt tokens each (64 in
+    the traces this package writes); returns its last arrival time in seconds."""
+    if block_size < 1:
+        raise SimInputError(f"trace block size: must be >= 1, got {block_size}")
     p = Path(path)
     if not p.is_file():
         raise SimInputError(f"trace {path}: no such file")
@@ -56,7 +61,7 @@ def check_trace(path: str) -> float:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise SimInputError(f"trace {path} line {n}: not JSON ({exc.msg})") from None
-                _check_request(obj, f"trace {path} line {n}")
+                _check_request(obj, f"trace {path} line {n}", block_size)
                 last_ms = max(last_ms, float(obj["timestamp"]))
                 count += 1
     except UnicodeDecodeError as exc:
@@ -66,7 +71,7 @@ def check_trace(path: str) -> float:
     return last_ms / 1000.0
 
 
-def _check_request(obj: Any, where: str) -> None:
+def _check_request(obj: Any, where: str, block_size: int) -> None:
     if not isinstance(obj, dict):
         raise SimInputError(f"{where}: expected a JSON object")
     ts = obj.get("timestamp")
@@ -81,6 +86,11 @@ def _check_request(obj: Any, where: str) -> None:
         not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
     ):
         raise SimInputError(f"{where}: hash_ids must be a list of integers")
+    if ids and len(ids) * block_size < obj["input_length"]:
+        raise SimInputError(
+            f"{where}: {len(ids)} hash_ids of {block_size} tokens cannot hold input_length "
+            f"{obj['input_length']} (the trace's block size: --trace-block-size)"
+        )
 
 
 def merge_traces(paths: list[str], out: Path) -> Path:
