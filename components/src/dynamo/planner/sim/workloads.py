@@ -101,7 +101,7 @@ WORKLOADS: dict[str, Workload] = {
             )
             for trace, what, fleets in (
                 ("conv", "conversation", {1: (1, 1), 2: (1, 1), 4: (1, 2), 8: (2, 4), 16: (4, 7)}),
-                ("code", "coding", {1: (1, 1), 2: (2, 1), 4: (3, 1), 8: (3, 2), 16: (5, 2)}),
+                ("code", "coding", {1: (1, 1), 2: (2, 1), 4: (3, 1), 8: (4, 1), 16: (5, 2)}),
             )
             for speed, initial in fleets.items()
         ),
