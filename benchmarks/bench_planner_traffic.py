@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
-from dynamo.planner.sim.azure_csv import is_azure_csv, read_azure_csv, write_mooncake
+from dynamo.planner.sim.azure_csv import convert_azure_csv, is_azure_csv
 from dynamo.planner.sim.harness import ROUTERS
 from dynamo.planner.sim.inputs import SimInputError, check_trace
 from dynamo.planner.sim.prefixes import BLOCK_TOKENS, DEFAULT_SHARE
@@ -149,8 +149,7 @@ def main() -> int:
             return 2
         try:
             converted = cache_dir / f"{name}-{args.seed}-{args.prefix_share:g}.jsonl"
-            given[name] = _replayable(file, converted, args)
-            block_of[name] = args.trace_block_size if given[name] == Path(file) else BLOCK_TOKENS
+            given[name], block_of[name] = _replayable(file, converted, args)
         except SimInputError as exc:
             print(f"--trace: {exc}", file=sys.stderr)
             return 2
@@ -249,21 +248,15 @@ def spread_line(summaries: list[dict[str, Any]], verdicts: list[Verdict], static
     )
 
 
-def _replayable(file: str, converted: Path, args: argparse.Namespace) -> Path:
-    """``--trace FILE`` as a Mooncake trace: itself, checked; or an Azure-format CSV written to ``converted``
-    with the prefix sharing modelled (``--prefix-share``, ``--seed``), as the Azure workloads are."""
+def _replayable(file: str, converted: Path, args: argparse.Namespace) -> tuple[Path, int]:
+    """``--trace FILE`` as a Mooncake trace and the prompt tokens per hash id: the file itself, checked, at
+    ``--trace-block-size``; or an Azure-format CSV written to ``converted`` with the prefix sharing modelled
+    (``--prefix-share``, ``--seed``), as the Azure workloads are, at 64 tokens per id."""
     if not is_azure_csv(file):
         check_trace(file, args.trace_block_size)
-        return Path(file)
-    trace = read_azure_csv(file)
-    write_mooncake(trace, converted, args.prefix_share, args.seed)
-    left_out = f", {trace.skipped} rows without prompt or output tokens left out" if trace.skipped else ""
-    print(
-        f"--trace {file}: Azure format, {len(trace.rows)} requests{left_out}; "
-        f"{args.prefix_share:g} of them continue an earlier one (seed {args.seed})",
-        file=sys.stderr,
-    )
-    return converted
+        return Path(file), args.trace_block_size
+    print(f"--trace {convert_azure_csv(file, converted, args.prefix_share, args.seed)}", file=sys.stderr)
+    return converted, BLOCK_TOKENS
 
 
 def _remember(cache: dict[str, Any], cache_file: Path, key: str, found: Any) -> None:

@@ -54,6 +54,11 @@ def test_rows_are_sorted_to_whole_milliseconds_and_empty_requests_counted(tmp_pa
     )
     trace = read_azure_csv(f)
     assert trace.rows == [(0.0, 300, 7), (1000.0, 200, 3), (2500.0, 100, 5)] and trace.skipped == 1
+    # A header with spaces after its commas is an Azure header to the detection and to the reader alike.
+    spaced = _csv(
+        tmp_path / "s.csv", [(_stamp(0), 300, 7)], header="TIMESTAMP, ContextTokens, GeneratedTokens"
+    )
+    assert is_azure_csv(spaced) and read_azure_csv(spaced).rows == [(0.0, 300, 7)]
 
 
 def test_the_modelled_share_continues_earlier_requests(tmp_path: Path) -> None:

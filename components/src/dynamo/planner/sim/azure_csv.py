@@ -57,7 +57,8 @@ def read_azure_csv(path: str | Path) -> AzureTrace:
     try:
         with p.open(encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f)
-            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+            reader.fieldnames = [h.strip() for h in reader.fieldnames or []]  # as ``is_azure_csv`` reads them
+            missing = [c for c in COLUMNS if c not in reader.fieldnames]
             if missing:
                 raise SimInputError(f"trace {path}: not an Azure trace (no column {missing[0]})")
             for n, rec in enumerate(reader, start=2):
@@ -104,3 +105,15 @@ def write_mooncake(trace: AzureTrace, out: str | Path, share: float = DEFAULT_SH
             json.dumps(r, separators=(",", ":")) + "\n" for r in mooncake_requests(trace.rows, share, seed)
         )
     return dest
+
+
+def convert_azure_csv(path: str | Path, out: str | Path, share: float = DEFAULT_SHARE, seed: int = 0) -> str:
+    """Write the Azure-format CSV at ``path`` as a Mooncake trace at ``out``; returns the line a command
+    prints about it (requests kept, rows left out, the modelled sharing)."""
+    trace = read_azure_csv(path)
+    write_mooncake(trace, out, share, seed)
+    left_out = f", {trace.skipped} rows without prompt or output tokens left out" if trace.skipped else ""
+    return (
+        f"{path}: Azure format, {len(trace.rows)} requests{left_out}; {share:g} of them continue an earlier "
+        f"one (seed {seed})"
+    )

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from ..config import ConfigError, PlannerConfig
-from .azure_csv import is_azure_csv, read_azure_csv, write_mooncake
+from .azure_csv import convert_azure_csv, is_azure_csv
 from .connector import POOLS
 from .harness import ROUTERS, SimSpec, simulate
 from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg
@@ -186,27 +186,23 @@ def replayable_traces(args: argparse.Namespace, folder: str, quiet: bool = False
     sharing modelled; ``--prefix-share`` refused when no file is one (a Mooncake trace has its hash ids)."""
     share = DEFAULT_SHARE if args.prefix_share is None else args.prefix_share
     out: list[str] = []
+    converted = 0
     for i, path in enumerate(args.trace):
         if not is_azure_csv(path):
             out.append(path)
             continue
-        trace = read_azure_csv(path)
-        out.append(str(write_mooncake(trace, f"{folder}/trace-{i}.jsonl", share, args.seed)))
+        mooncake = f"{folder}/trace-{i}.jsonl"
+        note = convert_azure_csv(path, mooncake, share, args.seed)
+        out.append(mooncake)
+        converted += 1
         if not quiet:
-            left_out = (
-                f", {trace.skipped} rows without prompt or output tokens left out" if trace.skipped else ""
-            )
-            print(
-                f"simulate: {path}: Azure format, {len(trace.rows)} requests{left_out}; {share:g} of them "
-                f"continue an earlier one (seed {args.seed})",
-                file=sys.stderr,
-            )
+            print(f"simulate: {note}", file=sys.stderr)
     block = args.trace_block_size
-    if out != list(args.trace) and block is not None and block != BLOCK_TOKENS:
+    if converted and block is not None and block != BLOCK_TOKENS:
         raise SimInputError(
             f"trace-block-size: an Azure-format trace is converted with {BLOCK_TOKENS}-token blocks"
         )
-    if args.prefix_share is not None and out == list(args.trace):
+    if args.prefix_share is not None and not converted:
         raise SimInputError(
             "prefix-share: applies to --scenario and Azure-format traces; a Mooncake trace carries its "
             "own hash_ids"
