@@ -1,7 +1,8 @@
 """The planner on production-like traffic: the Azure 2023 traces (x1, x2, x4) and the generated families.
 
 For every workload of ``dynamo.planner.sim.workloads`` asked for (and every ``--trace``: another production
-trace, say, run the same way under its file's name) and every router, it searches the cheapest
+trace, say, in Azure's or BurstGPT's CSV or Mooncake's JSON lines, cut by ``--trace-window`` and run at each
+of ``--trace-speedups`` under its file's name) and every router, it searches the cheapest
 static P+D fleet reaching 95% (each pool on its own; cached under ``.cache/``), then runs our planner from
 that fleet at each cold start and from 1+1 at 0 s. Prints one row per run: goodput, GPU-hours as a ratio to
 the static fleet's, changes of direction per pool per 30 minutes, and the issue's targets (YES/NO). A second
@@ -11,7 +12,8 @@ prints the median run (by GPU-hours) and the spread under it, and keeps every ru
 planner runs go to ``--jobs`` worker processes; progress lines go to stderr.
 
     python benchmarks/bench_planner_traffic.py [--workloads azure-conv-x1,...] [--trace FILE ...] \
-        [--routers round-robin,kv] [--startups 0,60] [--repeat N] [--jobs N] [--config FILE] [--json FILE]
+        [--trace-window START:LENGTH] [--trace-speedups 1,2,4] [--routers round-robin,kv] [--startups 0,60] \
+        [--repeat N] [--jobs N] [--config FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.planner.config import ConfigError, config_from_mapping, load_config_arg, merge
-from dynamo.planner.sim.azure_csv import convert_azure_csv, is_azure_csv
 from dynamo.planner.sim.harness import ROUTERS
-from dynamo.planner.sim.inputs import SimInputError, check_trace
+from dynamo.planner.sim.inputs import SimInputError
 from dynamo.planner.sim.prefixes import BLOCK_TOKENS, DEFAULT_SHARE
 from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, workload_row, workload_spec, workload_static
+from dynamo.planner.sim.trace_files import TraceOptions, prepare_trace
+from dynamo.planner.sim.trace_rows import parse_window
 from dynamo.planner.sim.traffic_targets import Verdict, judge
 from dynamo.planner.sim.workloads import WORKLOADS, write_workload
 
@@ -39,10 +42,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "bench-planner-traffic"
 # The issue's table: each trace at x1, x2 and x4 (x8 and x16 and the generated families by --workloads).
 AZURE = [f"azure-{trace}-x{speed}" for trace in ("conv", "code") for speed in (1, 2, 4)]
-HEADER = (
-    f"{'workload':<15} {'router':<11} {'from':<6} {'start':>5}  {'goodput':>8} {'GPU-h':>7} {'xstatic':>7} "
-    f"{'flips/30m P,D':>13} {'p90 TTFT':>8} {'reuse':>6}  {'goodput':>7} {'GPU-h':>5} {'flips':>5}"
-)
+NAME_WIDTH = [15]  # the workload column's width: the longest name's, set once by ``main``
+
+
+def header() -> str:
+    w = NAME_WIDTH[0]
+    return (
+        f"{'workload':<{w}} {'router':<11} {'from':<6} {'start':>5}  {'goodput':>8} {'GPU-h':>7} "
+        f"{'xstatic':>7} "
+        f"{'flips/30m P,D':>13} {'p90 TTFT':>8} {'reuse':>6}  {'goodput':>7} {'GPU-h':>5} {'flips':>5}"
+    )
 
 
 def _yes(ok: bool | None) -> str:
@@ -54,8 +63,8 @@ def row(name: str, router: str, start: str, cold: str, s: dict[str, Any], static
     ratio = f"{s['gpu_hours'] / static_gpu_h:.2f}" if static_gpu_h else "-"
     ttft = "-" if s.get("p90_ttft_ms") is None else f"{s['p90_ttft_ms']:.0f}"
     head = (
-        f"{name:<15} {router:<11} {start:<6} {cold:>5}  {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f} "
-        f"{ratio:>7} "
+        f"{name:<{NAME_WIDTH[0]}} {router:<11} {start:<6} {cold:>5}  {s['goodput_pct']:>7.1f}% "
+        f"{s['gpu_hours']:>7.3f} {ratio:>7} "
     )
     if s.get("mode") == "static":
         return head + f"{'':>13} {ttft:>8} {s.get('prefix_cache_reused_pct', 0.0):>5.1f}%"
@@ -87,17 +96,30 @@ def main() -> int:
         default=[],
         metavar="FILE",
         help="a trace run as a workload of its own, named after its file (repeatable): Mooncake JSON lines "
-        "replayed as they are, or an Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens) with the "
-        "prefix sharing modelled as for the Azure workloads; on the workloads' engines and SLA, its static "
-        "search from 1+1",
+        "replayed as they are, or a CSV in Azure's format (TIMESTAMP,ContextTokens,GeneratedTokens) or "
+        "BurstGPT's (Timestamp,Request tokens,Response tokens,...) with the prefix sharing modelled as for "
+        "the Azure workloads; on the workloads' engines and SLA, its static search from 1+1",
+    )
+    ap.add_argument(
+        "--trace-window",
+        metavar="START:LENGTH",
+        help="--trace: replay only this part, in the trace's own time from its first request (2h:1h is the "
+        "third hour; units s, m, h, d; START: to the end; LENGTH alone from the start)",
+    )
+    ap.add_argument(
+        "--trace-speedups",
+        default="1",
+        metavar="F,...",
+        help="--trace: each trace replayed at each of these speed-ups, as the Azure workloads' x1, x2, x4 "
+        "(a row named FILE-x2 for 2) (default: 1)",
     )
     ap.add_argument(
         "--trace-block-size",
         type=int,
-        default=BLOCK_TOKENS,
         metavar="N",
-        help=f"prompt tokens each hash id of a Mooncake --trace stands for (default: {BLOCK_TOKENS}, as in "
-        f"the traces written here; Mooncake's published traces hash 512-token blocks)",
+        help=f"prompt tokens each hash id of a Mooncake --trace stands for (default: read from the trace, "
+        f"the size every request's ids agree with, else {BLOCK_TOKENS}; Mooncake's published traces hash "
+        f"512-token blocks, the traces written here 64)",
     )
     ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated (default: round-robin,kv)")
     ap.add_argument("--startups", default="0,60", help="cold starts in seconds (default: 0,60)")
@@ -106,8 +128,8 @@ def main() -> int:
         "--prefix-share",
         type=float,
         default=DEFAULT_SHARE,
-        help=f"the share of requests continuing an earlier one, on the Azure workloads and Azure-format "
-        f"--trace files (default: {DEFAULT_SHARE:g})",
+        help=f"the share of requests continuing an earlier one, on the Azure workloads and CSV --trace "
+        f"files (default: {DEFAULT_SHARE:g})",
     )
     ap.add_argument("--config", help="our planner's config (file or inline), merged over the fleet limits")
     ap.add_argument(
@@ -133,7 +155,8 @@ def main() -> int:
     names = [n.strip() for n in workloads.split(",") if n.strip()]
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [n for n in names if n not in WORKLOADS] + [r for r in routers if r not in ROUTERS]
-    if bad or args.jobs < 1 or args.repeat < 1 or args.trace_block_size < 1:
+    block_size = args.trace_block_size
+    if bad or args.jobs < 1 or args.repeat < 1 or (block_size is not None and block_size < 1):
         what = "--jobs" if args.jobs < 1 else "--repeat" if args.repeat < 1 else "--trace-block-size"
         print(f"unknown workload or router {bad[0]!r}" if bad else f"{what}: 1 or more", file=sys.stderr)
         return 2
@@ -142,17 +165,24 @@ def main() -> int:
         return 2
     given: dict[str, Path] = {}
     block_of: dict[str, int] = {}
-    for file in args.trace:
-        name = Path(file).stem
-        if name in WORKLOADS or name in given:
-            print(f"--trace {file}: the name {name!r} is taken; rename the file", file=sys.stderr)
-            return 2
-        try:
-            converted = cache_dir / f"{name}-{args.seed}-{args.prefix_share:g}.jsonl"
-            given[name], block_of[name] = _replayable(file, converted, args)
-        except SimInputError as exc:
-            print(f"--trace: {exc}", file=sys.stderr)
-            return 2
+    try:
+        window = parse_window(args.trace_window) if args.trace_window is not None else None
+        speedups = [float(x) for x in args.trace_speedups.split(",") if x.strip()]
+        for file in args.trace:
+            for speedup in speedups:
+                name = Path(file).stem + ("" if speedup == 1 else f"-x{speedup:g}")
+                if name in WORKLOADS or name in given:
+                    print(f"--trace {file}: the name {name!r} is taken; rename the file", file=sys.stderr)
+                    return 2
+                opts = TraceOptions(window, speedup, args.prefix_share, args.seed, block_size)
+                given[name], block_of[name] = _replayable(file, name, opts, cache_dir)
+    except SimInputError as exc:
+        print(f"--trace: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"--trace-speedups {args.trace_speedups!r}: {exc}", file=sys.stderr)
+        return 2
+    NAME_WIDTH[0] = max([15, *(len(n) for n in [*names, *given])])
     try:
         startups = [float(x) for x in args.startups.split(",")]
         mapping = merge(SUITE_FLEET_LIMITS, load_config_arg(args.config))
@@ -243,20 +273,24 @@ def spread_line(summaries: list[dict[str, Any]], verdicts: list[Verdict], static
     flips = ",".join(span([v.flips_per_30_min[p] for v in verdicts], ".1f") for p in ("prefill", "decode"))
     met = sum(v.met for v in verdicts)
     return (
-        f"{'':<15} {len(summaries)} runs: goodput {good}%, {cost}, changes of direction per 30 min {flips}, "
-        f"targets met in {met} of {len(summaries)}"
+        f"{'':<{NAME_WIDTH[0]}} {len(summaries)} runs: goodput {good}%, {cost}, changes of direction per "
+        f"30 min {flips}, targets met in {met} of {len(summaries)}"
     )
 
 
-def _replayable(file: str, converted: Path, args: argparse.Namespace) -> tuple[Path, int]:
-    """``--trace FILE`` as a Mooncake trace and the prompt tokens per hash id: the file itself, checked, at
-    ``--trace-block-size``; or an Azure-format CSV written to ``converted`` with the prefix sharing modelled
-    (``--prefix-share``, ``--seed``), as the Azure workloads are, at 64 tokens per id."""
-    if not is_azure_csv(file):
-        check_trace(file, args.trace_block_size)
-        return Path(file), args.trace_block_size
-    print(f"--trace {convert_azure_csv(file, converted, args.prefix_share, args.seed)}", file=sys.stderr)
-    return converted, BLOCK_TOKENS
+def _replayable(file: str, name: str, opts: TraceOptions, cache_dir: Path) -> tuple[Path, int]:
+    """``--trace FILE`` as a Mooncake trace (``trace_files.prepare_trace``: a CSV converted with the prefix
+    sharing modelled as the Azure workloads are, a window cut, sped up; written under ``cache_dir`` when
+    anything changed) and its prompt tokens per hash id. Prints what was read."""
+    cut = "" if opts.window is None else f"-{opts.window.start_s:g}-{opts.window.length_s}"
+    out = cache_dir / f"{name}-{opts.seed}-{opts.share:g}{cut}.jsonl"
+
+    def progress(rows: int) -> None:
+        print(f"--trace {file}: {rows:,} rows read", file=sys.stderr)
+
+    prepared = prepare_trace(file, out, opts, progress)
+    print(f"--trace {prepared.note}", file=sys.stderr)
+    return prepared.path, prepared.block_size
 
 
 def _remember(cache: dict[str, Any], cache_file: Path, key: str, found: Any) -> None:
@@ -292,12 +326,12 @@ def _equal_goodput(
                 searches[(n, r)] = pool.submit(workload_static, n, str(traces[n]), r, target, blocks[n])
     print("\nAt equal goodput (0 s, from the need): the cheapest static fleet reaching the run's goodput")
     cols = ("workload", "router", "planner", "GPU-h", "static", "goodput", "GPU-h", "x")
-    print("{:<15} {:<11} {:>8} {:>7}  {:>7} {:>8} {:>7} {:>5}".format(*cols))
+    print("{:<{w}} {:<11} {:>8} {:>7}  {:>7} {:>8} {:>7} {:>5}".format(*cols, w=NAME_WIDTH[0]))
     out: list[dict[str, Any]] = []
     for (n, r), (s, target, key) in wanted.items():
         if key not in cache:
             _remember(cache, cache_file, key, searches[(n, r)].result())
-        head = f"{n:<15} {r:<11} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f}  "
+        head = f"{n:<{NAME_WIDTH[0]}} {r:<11} {s['goodput_pct']:>7.1f}% {s['gpu_hours']:>7.3f}  "
         if cache[key] is None:
             print(head + f"no static fleet up to 128+128 reaches {target:g}%", flush=True)
             continue
@@ -318,15 +352,18 @@ def _print(
     fleets: dict[tuple[str, str], Any],
     runs: dict[RunKey, list[Future[dict[str, Any]]]],
 ) -> list[dict[str, Any]]:
-    print(HEADER)
-    print(f"{'':<15} {'':<11} {'':<6} {'':>5}  {'':>8} {'':>7} {'':>7} {'':>13} {'':>8} {'':>6}  targets met")
+    print(header())
+    print(
+        f"{'':<{NAME_WIDTH[0]}} {'':<11} {'':<6} {'':>5}  {'':>8} {'':>7} {'':>7} {'':>13} {'':>8} {'':>6}  "
+        "targets met"
+    )
     results: list[dict[str, Any]] = []
     for n in names:
         for r in routers:
             found = fleets[(n, r)]
             static_gpu_h = None
             if found is None:
-                print(f"{n:<15} {r:<11} no static fleet up to 128+128 reaches 95%")
+                print(f"{n:<{NAME_WIDTH[0]}} {r:<11} no static fleet up to 128+128 reaches 95%")
             else:
                 (p, d), s = found
                 static_gpu_h = float(s["gpu_hours"])

@@ -481,6 +481,7 @@ def _azure_csv(path: Path, count: int) -> Path:
 def test_an_azure_format_trace_replays_with_its_modelled_sharing(tmp_path: Path) -> None:
     """`simulate --trace x.csv` (Azure's format) replays the same requests as the Mooncake trace converted
     from it with the same share and seed; `--prefix-share` on a Mooncake trace is refused (it has its ids)."""
+    from dynamo.planner.sim.azure import azure_rows
     from dynamo.planner.sim.azure_csv import read_azure_csv, write_mooncake
 
     csv_file = _azure_csv(tmp_path / "code.csv", 600)
@@ -495,6 +496,14 @@ def test_an_azure_format_trace_replays_with_its_modelled_sharing(tmp_path: Path)
         assert from_csv[key] == from_jsonl[key], key
     done = _cli("--trace", str(jsonl), "--prefix-share", "0.3")
     assert done.returncode == 2 and "a Mooncake trace carries its own hash_ids" in done.stderr
+    # A part of it, sped up: the first 2 minutes' requests, replayed in one.
+    first = sum(1 for t, _, _ in azure_rows("code")[:600] if t < 120_000)
+    done = _cli("--trace", str(csv_file), "--trace-window", "0:2m", "--trace-speedup", "2", *common)
+    assert done.returncode == 0, done.stderr[-2000:]
+    part = json.loads(done.stdout.strip().splitlines()[-1])
+    assert part["requests"] == first and part["duration_s"] < 70
+    done = _cli("--scenario", "ramp", "--trace-window", "1h")
+    assert done.returncode == 2 and "trace-window: applies to --trace" in done.stderr
 
 
 def test_the_traffic_benchmark_takes_an_azure_format_trace(tmp_path: Path) -> None:
@@ -504,11 +513,17 @@ def test_the_traffic_benchmark_takes_an_azure_format_trace(tmp_path: Path) -> No
 
     csv_file = _azure_csv(tmp_path / "published-code.csv", 300)
     args = ("--trace", str(csv_file), "--routers", "round-robin", "--startups", "0", "--jobs", "1")
-    done = run_benchmark("bench_planner_traffic.py", *args, "--cache", str(tmp_path / "cache"), timeout=300)
+    more = ("--trace-speedups", "1,2")
+    done = run_benchmark(
+        "bench_planner_traffic.py", *args, *more, "--cache", str(tmp_path / "cache"), timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Azure format, 300 requests; 0.5 of them continue an earlier one (seed 0)" in done.stderr
+    assert "Azure format, 300 requests, 2x faster; 0.5 of them" in done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("published-code ")]
     assert [line[2] for line in rows[:3]] == ["1+1", "need", "1+1"], done.stdout
+    faster = [line.split() for line in done.stdout.splitlines() if line.startswith("published-code-x2 ")]
+    assert [line[2] for line in faster[:3]] == ["1+1", "need", "1+1"], done.stdout
     assert (tmp_path / "cache" / "published-code-0-0.5.jsonl").is_file()
 
 
@@ -534,3 +549,36 @@ def test_a_shared_hash_id_counts_the_tokens_of_one_block(tmp_path: Path) -> None
     assert done.returncode == 2 and "20 hash_ids of 32 tokens cannot hold input_length 1280" in done.stderr
     done = _cli("--scenario", "ramp", "--trace-block-size", "512")
     assert done.returncode == 2 and "trace-block-size: applies to --trace" in done.stderr
+
+
+def test_a_trace_without_ids_or_beyond_the_engines_is_replayed_and_said(tmp_path: Path) -> None:
+    """Mooncake's format allows requests without hash_ids (the simulator does not): each gets ids of its
+    own. A prompt longer than the engines admit is rejected by the simulator and counts against goodput:
+    simulate says so, with the flags that raise the limit."""
+    trace = tmp_path / "plain.jsonl"
+    rows = [(0, 20_000), (100, 200), (200, 300)]
+    trace.write_text(
+        "".join(json.dumps({"timestamp": t, "input_length": i, "output_length": 5}) + "\n" for t, i in rows)
+    )
+    done = _cli("--trace", str(trace), "--static", "1,1", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "3 requests without hash_ids given their own (no sharing)" in done.stderr
+    assert (
+        "warning: 1 requests have prompts longer than the engines admit (16384 tokens; the longest 20000)"
+        in (done.stderr)
+    )
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["requests"] == 3 and summary["completed_requests"] == 2
+    long_context = json.dumps({"engine": {"max_model_len": 32768}})
+    done = _cli(
+        "--trace",
+        str(trace),
+        "--static",
+        "1,1",
+        "--json",
+        "--prefill-engine-args",
+        long_context,
+        "--decode-engine-args",
+        long_context,
+    )
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr[-2000:]

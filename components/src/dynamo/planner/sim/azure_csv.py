@@ -9,77 +9,60 @@ requests) cannot be replayed; they are counted and left out, and the caller says
 
 from __future__ import annotations
 
-import csv
 import json
+import re
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from .azure import Row
+from .azure import Row, compressed
 from .inputs import SimInputError
 from .prefixes import DEFAULT_SHARE, LOOKBACK_S, block_hashes
+from .trace_rows import CsvFormat, RowTrace, TraceWindow, csv_header, read_csv_trace
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
-class AzureTrace(NamedTuple):
-    rows: list[Row]  # (arrival ms after the first request, prompt tokens, output tokens), by arrival
-    skipped: int  # rows left out: no prompt or no output tokens
-
-
 def is_azure_csv(path: str | Path) -> bool:
     """Whether the file's first line is an Azure trace header (its three columns, in any order)."""
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            header = next(csv.reader([f.readline()]), [])
-    except (OSError, UnicodeDecodeError):
-        return False
-    return set(COLUMNS) <= {h.strip() for h in header}
+    return set(COLUMNS) <= csv_header(path)
+
+
+# ``2023-11-16 18:17:03.9799600`` (2023: no zone, 7 fractional digits) and
+# ``2024-05-10 00:00:00.009930+00:00`` (2024: a UTC offset, 6 digits, no fraction on a whole second).
+_STAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2})(?:\.(\d+))?\s*(Z|[+-]\d{2}:?\d{2})?")
+
+
+@lru_cache(maxsize=4096)
+def _epoch_seconds(whole: str) -> int:
+    return int(datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp())
 
 
 def _ticks(stamp: str) -> int:
-    """``2023-11-16 18:17:03.9799600`` -> 100 ns ticks since the epoch, exactly (Azure writes 7 fractional
-    digits; ``datetime`` takes 6, and a float of seconds would round them)."""
-    whole, _, frac = stamp.strip().partition(".")
-    if not frac.isdigit() and frac:
-        raise ValueError(f"bad fraction of a second in {stamp!r}")
-    seconds = int(datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp())
+    """An Azure timestamp -> 100 ns ticks since the epoch (UTC), exactly: ``datetime`` takes 6 fractional
+    digits and a float of seconds would round Azure's 7."""
+    m = _STAMP.fullmatch(stamp.strip())
+    if m is None:
+        raise ValueError(f"not a timestamp: {stamp!r}")
+    whole, frac, zone = m.groups()
+    seconds = _epoch_seconds(whole)
+    if zone and zone != "Z":
+        digits = zone[1:].replace(":", "")
+        offset = int(digits[:2]) * 3600 + int(digits[2:]) * 60
+        seconds -= offset if zone[0] == "+" else -offset
     return seconds * 10_000_000 + int((frac or "0")[:7].ljust(7, "0"))
 
 
-def read_azure_csv(path: str | Path) -> AzureTrace:
-    """The CSV's requests in arrival order; SimInputError naming the line for anything unreadable."""
-    p = Path(path)
-    if not p.is_file():
-        raise SimInputError(f"trace {path}: no such file")
-    raw: list[tuple[int, int, int]] = []
-    skipped = 0
-    try:
-        with p.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            reader.fieldnames = [h.strip() for h in reader.fieldnames or []]  # as ``is_azure_csv`` reads them
-            missing = [c for c in COLUMNS if c not in reader.fieldnames]
-            if missing:
-                raise SimInputError(f"trace {path}: not an Azure trace (no column {missing[0]})")
-            for n, rec in enumerate(reader, start=2):
-                try:
-                    t = _ticks(rec["TIMESTAMP"])
-                    isl, osl = int(rec["ContextTokens"]), int(rec["GeneratedTokens"])
-                except (TypeError, ValueError) as exc:
-                    raise SimInputError(f"trace {path} line {n}: {exc}") from None
-                if isl <= 0 or osl <= 0:
-                    skipped += 1
-                    continue
-                raw.append((t, isl, osl))
-    except UnicodeDecodeError as exc:
-        raise SimInputError(f"trace {path}: not UTF-8 text ({exc.reason})") from None
-    if not raw:
-        raise SimInputError(f"trace {path}: no requests with prompt and output tokens")
-    raw.sort(key=lambda r: r[0])
-    first = raw[0][0]
-    # Whole milliseconds (half to even), as the shipped traces were derived: the 2023 hours convert to them.
-    rows = [(float(round((t - first) / 10_000)), isl, osl) for t, isl, osl in raw]
-    return AzureTrace(rows, skipped)
+AZURE = CsvFormat("Azure", COLUMNS, ticks_per_ms=10_000, tick=_ticks)
+
+
+def read_azure_csv(
+    path: str | Path, window: TraceWindow | None = None, progress: Callable[[int], None] | None = None
+) -> RowTrace:
+    """The Azure CSV's requests (within ``window``) in arrival order (``trace_rows.read_csv_trace``)."""
+    return read_csv_trace(path, AZURE, window, progress)
 
 
 def mooncake_requests(
@@ -94,26 +77,19 @@ def mooncake_requests(
     ]
 
 
-def write_mooncake(trace: AzureTrace, out: str | Path, share: float = DEFAULT_SHARE, seed: int = 0) -> Path:
-    """The trace as Mooncake JSON lines at ``out``, ``share`` of its requests continuing an earlier one."""
+def write_mooncake(
+    trace: RowTrace, out: str | Path, share: float = DEFAULT_SHARE, seed: int = 0, speedup: float = 1.0
+) -> Path:
+    """The trace ``speedup`` times faster as Mooncake JSON lines at ``out``, ``share`` of its requests
+    continuing an earlier one within the lookback compressed with it (as the Azure workloads are made)."""
     if not 0.0 <= share <= 1.0:
         raise SimInputError(f"prefix-share: must be within [0, 1], got {share:g}")
+    rows = compressed(tuple(trace.rows), speedup)
     dest = Path(out)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with dest.open("w", encoding="utf-8") as f:
         f.writelines(
-            json.dumps(r, separators=(",", ":")) + "\n" for r in mooncake_requests(trace.rows, share, seed)
+            json.dumps(r, separators=(",", ":")) + "\n"
+            for r in mooncake_requests(rows, share, seed, LOOKBACK_S / speedup)
         )
     return dest
-
-
-def convert_azure_csv(path: str | Path, out: str | Path, share: float = DEFAULT_SHARE, seed: int = 0) -> str:
-    """Write the Azure-format CSV at ``path`` as a Mooncake trace at ``out``; returns the line a command
-    prints about it (requests kept, rows left out, the modelled sharing)."""
-    trace = read_azure_csv(path)
-    write_mooncake(trace, out, share, seed)
-    left_out = f", {trace.skipped} rows without prompt or output tokens left out" if trace.skipped else ""
-    return (
-        f"{path}: Azure format, {len(trace.rows)} requests{left_out}; {share:g} of them continue an earlier "
-        f"one (seed {seed})"
-    )

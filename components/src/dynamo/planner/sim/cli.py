@@ -12,12 +12,13 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from ..config import ConfigError, PlannerConfig
-from .azure_csv import convert_azure_csv, is_azure_csv
 from .connector import POOLS
 from .harness import ROUTERS, SimSpec, simulate
-from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg
+from .inputs import SimInputError, check_trace, engine_args, parse_fleet, parse_json_arg, prompts_over
 from .prefixes import BLOCK_TOKENS, DEFAULT_SHARE
 from .scenarios import SCENARIOS, write_trace
+from .trace_files import Prepared, TraceOptions, prepare_trace
+from .trace_rows import parse_window
 from .workloads import LONG_CONTEXT, SLA_ITL_MS, SLA_TTFT_MS, WORKLOADS, write_workload
 
 
@@ -30,8 +31,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--trace",
         action="append",
         metavar="FILE",
-        help="Mooncake JSON-lines trace, or an Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens) "
-        "replayed with modelled prefix sharing (--prefix-share, --seed) (repeatable)",
+        help="a trace (repeatable): Mooncake JSON lines, or a CSV in Azure's format "
+        "(TIMESTAMP,ContextTokens,GeneratedTokens) or BurstGPT's (Timestamp,Request tokens,Response tokens,"
+        "...) replayed with modelled prefix sharing (--prefix-share, --seed)",
     )
     source.add_argument(
         "--scenario",
@@ -45,21 +47,35 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=0,
-        help="--scenario: the trace's seed; an Azure-format --trace: the prefix sharing's (default: 0)",
+        help="--scenario: the trace's seed; a CSV --trace: the prefix sharing's (default: 0)",
     )
     sp.add_argument(
         "--prefix-share",
         type=float,
         metavar="F",
-        help=f"--scenario, a workload, or an Azure-format --trace: the share of requests continuing an "
+        help=f"--scenario, a workload, or a CSV --trace: the share of requests continuing an "
         f"earlier one (default: {DEFAULT_SHARE:g})",
     )
     sp.add_argument(
         "--trace-block-size",
         type=int,
         metavar="N",
-        help=f"--trace (Mooncake): prompt tokens each hash id stands for (default: {BLOCK_TOKENS}, as in "
-        f"the traces this package writes; Mooncake's published traces hash 512-token blocks)",
+        help=f"--trace (Mooncake): prompt tokens each hash id stands for (default: read from the trace, "
+        f"the size every request's ids agree with, else {BLOCK_TOKENS}; Mooncake's published traces hash "
+        f"512-token blocks, the traces this package writes 64)",
+    )
+    sp.add_argument(
+        "--trace-window",
+        metavar="START:LENGTH",
+        help="--trace: replay only this part, in the trace's own time from its first request (2h:1h is the "
+        "third hour; units s, m, h, d; START: to the end; LENGTH alone from the start)",
+    )
+    sp.add_argument(
+        "--trace-speedup",
+        type=float,
+        metavar="F",
+        help="--trace: replay the requests F times faster (2: the same requests in half the time, as the "
+        "azure-*-x2 workloads are made) (default: 1)",
     )
     sp.add_argument(
         "--router",
@@ -181,33 +197,54 @@ def scenario_trace(args: argparse.Namespace, folder: str) -> str:
     raise SimInputError(f"scenario: unknown {name!r}; known: {known}")
 
 
-def replayable_traces(args: argparse.Namespace, folder: str, quiet: bool = False) -> list[str]:
-    """``--trace`` files as Mooncake traces: Azure-format CSVs converted under ``folder`` with the prefix
-    sharing modelled; ``--prefix-share`` refused when no file is one (a Mooncake trace has its hash ids)."""
+def replayable_traces(args: argparse.Namespace, folder: str, quiet: bool = False) -> list[Prepared]:
+    """``--trace`` files as Mooncake traces (``trace_files.prepare_trace``: CSVs converted under ``folder``
+    with the prefix sharing modelled, a window cut, a speed-up applied), all at one block size;
+    ``--prefix-share`` refused when no file is a CSV (a Mooncake trace has its hash ids)."""
+    window = parse_window(args.trace_window) if args.trace_window is not None else None
     share = DEFAULT_SHARE if args.prefix_share is None else args.prefix_share
-    out: list[str] = []
-    converted = 0
-    for i, path in enumerate(args.trace):
-        if not is_azure_csv(path):
-            out.append(path)
-            continue
-        mooncake = f"{folder}/trace-{i}.jsonl"
-        note = convert_azure_csv(path, mooncake, share, args.seed)
-        out.append(mooncake)
-        converted += 1
+    speedup = 1.0 if args.trace_speedup is None else args.trace_speedup
+    opts = TraceOptions(window, speedup, share, args.seed, args.trace_block_size)
+
+    def progress(rows: int) -> None:
         if not quiet:
-            print(f"simulate: {note}", file=sys.stderr)
-    block = args.trace_block_size
-    if converted and block is not None and block != BLOCK_TOKENS:
+            print(f"simulate: {rows:,} rows read", file=sys.stderr)
+
+    prepared = [
+        prepare_trace(path, f"{folder}/trace-{i}.jsonl", opts, progress) for i, path in enumerate(args.trace)
+    ]
+    if args.prefix_share is not None and all(p.kind == "Mooncake" for p in prepared):
         raise SimInputError(
-            f"trace-block-size: an Azure-format trace is converted with {BLOCK_TOKENS}-token blocks"
+            "prefix-share: applies to --scenario and CSV traces (Azure, BurstGPT); a Mooncake trace carries "
+            "its own hash_ids"
         )
-    if args.prefix_share is not None and not converted:
+    blocks = sorted({p.block_size for p in prepared})
+    if len(blocks) > 1:
         raise SimInputError(
-            "prefix-share: applies to --scenario and Azure-format traces; a Mooncake trace carries its "
-            "own hash_ids"
+            f"trace-block-size: the traces hash blocks of different sizes ({', '.join(map(str, blocks))} "
+            "tokens); replay them one at a time"
         )
-    return out
+    return prepared
+
+
+def admission_warning(spec: SimSpec) -> str | None:
+    """A line when some prompts are longer than an engine admits: the simulator rejects them, and they count
+    against goodput (the suite's default engines hold 16k tokens; the workloads' 256k)."""
+    limit = min(
+        min(int(e["max_model_len"]), int(e["num_gpu_blocks"]) * int(e["block_size"]))
+        for e in (spec.prefill_engine_args["engine"], spec.decode_engine_args["engine"])
+    )
+    over, longest = 0, 0
+    for trace in spec.traces:
+        n, top = prompts_over(trace, limit)
+        over, longest = over + n, max(longest, top)
+    if not over:
+        return None
+    return (
+        f"{over} requests have prompts longer than the engines admit ({limit} tokens; the longest "
+        f"{longest}): the simulator rejects them and they count against goodput. --prefill-engine-args and "
+        f"--decode-engine-args set max_model_len and num_gpu_blocks (the workloads' engines hold 262144)"
+    )
 
 
 def render_table(s: dict[str, Any], cfg: PlannerConfig) -> str:
@@ -245,20 +282,28 @@ def run(args: argparse.Namespace, cfg: PlannerConfig, out: TextIO = sys.stdout) 
     """Exit 0, or 2 with one line on stderr for bad input."""
     cfg = replace(cfg, json_stdout=False, tui=False, dry_run=False, use_model_cards=False)
     with tempfile.TemporaryDirectory(prefix="dynamo-simulate-") as folder:
+        prepared: list[Prepared] = []
         try:
             if args.scenario:
-                if args.trace_block_size is not None:
-                    raise SimInputError(
-                        "trace-block-size: applies to --trace; a scenario's trace is written here"
-                    )
+                for flag in ("trace_block_size", "trace_window", "trace_speedup"):
+                    if getattr(args, flag) is not None:
+                        what = flag.replace("_", "-")
+                        raise SimInputError(f"{what}: applies to --trace; a scenario's trace is written here")
                 args = argparse.Namespace(**{**vars(args), "trace": [scenario_trace(args, folder)]})
             else:
-                traces = replayable_traces(args, folder, quiet=args.quiet)
-                args = argparse.Namespace(**{**vars(args), "trace": traces})
+                prepared = replayable_traces(args, folder, quiet=args.quiet)
+                traces = [str(p.path) for p in prepared]
+                block = prepared[0].block_size
+                args = argparse.Namespace(**{**vars(args), "trace": traces, "trace_block_size": block})
             spec = build_spec(args, cfg)
         except (SimInputError, ConfigError) as exc:
             print(f"dynamo.planner simulate: error: {exc}", file=sys.stderr)
             return 2
+        for p in prepared:  # what was read, once the run is sure to start
+            if not args.quiet:
+                print(f"simulate: {p.note}", file=sys.stderr)
+        if (warning := admission_warning(spec)) is not None:
+            print(f"dynamo.planner simulate: warning: {warning}", file=sys.stderr)
         return _run(args, cfg, spec, out)
 
 

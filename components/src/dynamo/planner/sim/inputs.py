@@ -71,6 +71,18 @@ def check_trace(path: str, block_size: int = BLOCK_TOKENS) -> float:
     return last_ms / 1000.0
 
 
+def prompts_over(path: str, limit: int) -> tuple[int, int]:
+    """(requests whose prompt is longer than ``limit`` tokens, the longest prompt) of a checked trace."""
+    over = longest = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                isl = int(json.loads(line)["input_length"])
+                over += isl > limit
+                longest = max(longest, isl)
+    return over, longest
+
+
 def _check_request(obj: Any, where: str, block_size: int) -> None:
     if not isinstance(obj, dict):
         raise SimInputError(f"{where}: expected a JSON object")
