@@ -33,7 +33,7 @@ from dynamo.planner.sim.harness import ROUTERS
 from dynamo.planner.sim.inputs import SimInputError
 from dynamo.planner.sim.prefixes import BLOCK_TOKENS, DEFAULT_SHARE
 from dynamo.planner.sim.runs import SUITE_FLEET_LIMITS, workload_row, workload_spec, workload_static
-from dynamo.planner.sim.trace_files import TraceOptions, prepare_trace
+from dynamo.planner.sim.trace_files import LONG_REPLAY, TraceOptions, prepare_trace
 from dynamo.planner.sim.trace_rows import parse_window
 from dynamo.planner.sim.traffic_targets import Verdict, judge
 from dynamo.planner.sim.workloads import WORKLOADS, write_workload
@@ -174,7 +174,9 @@ def main() -> int:
                 if name in WORKLOADS or name in given:
                     print(f"--trace {file}: the name {name!r} is taken; rename the file", file=sys.stderr)
                     return 2
-                opts = TraceOptions(window, speedup, args.prefix_share, args.seed, block_size)
+                # A whole week is hours per run: the table's runs (about 10 per router) need a window.
+                most = LONG_REPLAY if window is None else None
+                opts = TraceOptions(window, speedup, args.prefix_share, args.seed, block_size, most)
                 given[name], block_of[name] = _replayable(file, name, opts, cache_dir)
     except SimInputError as exc:
         print(f"--trace: {exc}", file=sys.stderr)

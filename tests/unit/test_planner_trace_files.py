@@ -138,3 +138,16 @@ def test_a_mooncake_trace_is_cut_and_sped_up_with_its_ids(tmp_path: Path) -> Non
             tmp_path / "y.jsonl",
             TraceOptions(block_size=512),
         )
+
+
+def test_a_trace_too_long_for_every_run_is_refused_without_a_window(tmp_path: Path) -> None:
+    """The traffic benchmark replays a trace in about 10 runs per router: above ``max_requests`` it asks
+    for a window instead of starting hours of work; a window, even all of it (``0:``), is an answer."""
+    src = _mooncake(tmp_path / "m.jsonl", 64, [640] * 10)
+    csv_file = _write(
+        tmp_path / "a.csv", AZURE_HEADER + "".join(f"2023-11-16 18:00:0{k}.0000000,10,2\n" for k in range(5))
+    )
+    for path in (src, csv_file):
+        with pytest.raises(SimInputError, match=r"requests, more than 3 to replay .* --trace-window 0: all"):
+            prepare_trace(path, tmp_path / "x.jsonl", TraceOptions(max_requests=3))
+    assert prepare_trace(src, tmp_path / "y.jsonl", TraceOptions(window=parse_window("0:"), max_requests=None)).requests == 10

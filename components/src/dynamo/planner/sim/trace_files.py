@@ -40,6 +40,7 @@ class TraceOptions:
     share: float = DEFAULT_SHARE  # a CSV trace's modelled prefix sharing
     seed: int = 0  # its seed
     block_size: int | None = None  # a Mooncake trace's tokens per hash id; None: read from the trace
+    max_requests: int | None = None  # refuse a trace of more requests (None: any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +151,7 @@ def prepare_trace(
             )
         read = read_azure_csv if kind == "Azure" else read_burstgpt_csv
         trace = read(path, opts.window, progress)
+        _refuse_above(path, len(trace.rows), opts.max_requests)
         write_mooncake(trace, dest, opts.share, opts.seed, opts.speedup)
         left_out = f", {trace.skipped} rows without prompt or output tokens left out" if trace.skipped else ""
         beyond = f" ({trace.outside} requests outside it)" if opts.window is not None else ""
@@ -165,6 +167,9 @@ def prepare_trace(
         how = "read from the trace" if block is not None else "default"
         block = BLOCK_TOKENS if block is None else block
     check_trace(str(path), block)
+    if opts.max_requests is not None:
+        with open(path, encoding="utf-8") as f:
+            _refuse_above(path, sum(1 for line in f if line.strip()), opts.max_requests)
     replayed, outside, own = Path(path), 0, ""
     if opts.window is not None or opts.speedup != 1 or _without_ids(path):
         replayed = dest
@@ -179,6 +184,15 @@ def prepare_trace(
         f"{block} prompt tokens ({how}; --trace-block-size sets it){own}"
     )
     return Prepared(replayed, "Mooncake", block, requests, note + _long(requests, opts))
+
+
+def _refuse_above(path: str | Path, requests: int, most: int | None) -> None:
+    if most is not None and requests > most:
+        raise SimInputError(
+            f"trace {path}: {requests} requests, more than {most} to replay in every run (the Azure "
+            f"conversation hour's 19,366 take about 16 s a run); --trace-window START:LENGTH picks the part "
+            f"to judge (2h:1h: the third hour), --trace-window 0: all of it"
+        )
 
 
 def _long(requests: int, opts: TraceOptions) -> str:
