@@ -33,8 +33,8 @@ class TraceWindow:
     length_s: float | None = None
 
     def describe(self) -> str:
-        end = "the end" if self.length_s is None else f"{_short(self.start_s + self.length_s)}"
-        return f"window {_short(self.start_s)} to {end}"
+        length = " to the end" if self.length_s is None else f" for {_short(self.length_s)}"
+        return f"window from {_short(self.start_s)}{length}"
 
 
 def _short(seconds: float) -> str:
