@@ -1020,6 +1020,21 @@ def test_a_scale_down_goes_no_lower_than_the_windows_highest_recommendation() ->
     assert sim.decode < 3 and "load_down" in _codes(sim, "decode")
 
 
+def test_a_level_within_the_tolerance_of_capacity_neither_grows_nor_shrinks_the_pool() -> None:
+    """The band around capacity (``robust.TOLERANCE``, the HPA's 10%): spikes to 1.08 engines over a mean
+    of 0.82 put the level within 10% above one replica's capacity, and one replica holds. On two replicas,
+    a level of 0.95 engines (mean 0.78) would load a lone replica within 10% of capacity: the pool keeps
+    two; at 0.85 it steps down."""
+    spikes = lambda i: (0.05, 1.08 if i % 4 == 3 else 0.7)  # noqa: E731
+    one = run(Sim(config(), prefill=1, decode=1), 60, spikes)
+    assert one.decode == 1 and set(_codes(one, "decode")) == {"load_steady"}, _codes(one, "decode")
+    near = run(Sim(config(), prefill=1, decode=2), 120, lambda i: (0.05, 0.95 if i % 2 else 0.6))
+    assert near.decode == 2 and "load_down" not in _codes(near, "decode")
+    assert near.history[-1].decode.signals.needed == 2
+    clear = run(Sim(config(), prefill=1, decode=2), 120, lambda i: (0.05, 0.85 if i % 2 else 0.5))
+    assert clear.decode == 1 and "load_down" in _codes(clear, "decode")
+
+
 def test_bursty_traffic_between_bursts_is_not_idle() -> None:
     """Twenty-five seconds of nothing, then a burst, again and again: the pool does not step down between
     bursts (the legacy idle rule did, then scaled back up at the next burst)."""
