@@ -1033,6 +1033,10 @@ def test_a_level_within_the_tolerance_of_capacity_neither_grows_nor_shrinks_the_
     assert near.history[-1].decode.signals.needed == 2
     clear = run(Sim(config(), prefill=1, decode=2), 120, lambda i: (0.05, 0.85 if i % 2 else 0.5))
     assert clear.decode == 1 and "load_down" in _codes(clear, "decode")
+    # Beyond the band the pool grows to carry the whole level (3.2 engines: 4 replicas, not the 3 that would
+    # carry it within the tolerance), as the HPA sizes a ratio outside its tolerance in full.
+    beyond = run(Sim(config(), prefill=1, decode=1), 30, lambda i: (0.05, 3.2 if i % 3 == 2 else 1.0))
+    assert beyond.decode == 4, [d.decode.reason for d in beyond.history if d.decode.action != "hold"]
 
 
 def test_bursty_traffic_between_bursts_is_not_idle() -> None:

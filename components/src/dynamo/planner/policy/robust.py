@@ -6,11 +6,11 @@ pool into the next spike (and grows it for a spike that is gone when the replica
 demand (engines' worth of work at full load) joins a window of ``demand_window_s``; the pool is sized to carry
 ``mean + headroom_sigmas x standard deviation`` of it at the engines' ``up`` load, so the headroom follows the
 traffic's own variability (little on smooth traffic, more on bursty). Around the replicas' capacity lies a
-band of ``TOLERANCE`` either side: the level grows the pool once it is beyond capacity by the tolerance (the
-HPA's), and the pool shrinks only to replicas that carry the level with that margin to spare. A decode
-engine's demand reads higher on fewer engines (bigger batches step slower, so each request stays longer):
-measured on the Azure conversation trace at x2, 0.50 engines on one decode engine against 0.31 on two; a
-shrink sized without the margin lands within a spike of growing back. Every tick's recommendation is
+band of ``TOLERANCE`` either side: once the level is beyond capacity by the tolerance (the HPA's), the pool
+grows to carry all of it, and it shrinks only to replicas that carry the level with that margin to spare.
+A decode engine's demand reads higher on fewer engines (bigger batches step slower, so each request stays
+longer): measured on the Azure conversation trace at x2, 0.50 engines on one decode engine against 0.31 on
+two; a shrink sized without the margin lands within a spike of growing back. Every tick's recommendation is
 recorded, and a scale-down goes no lower than the highest recommendation within
 ``scale_down_stabilization_s`` (the Kubernetes HPA's scale-down stabilization), which ``rules.rule_load``
 applies. A pool with no work at all for a whole demand window needs no replica: the stabilization then steps
@@ -91,11 +91,15 @@ def robust_verdict(
     held = min(v for _, v in samples[-2:])  # what the last two samples both show
     floor = max(held / up, today / (up * (1 + TOLERANCE)), mean / target if target else 0.0)
     more = max(extra, 0.0) / up
-    # A band around capacity, the HPA's tolerance either side: the pool grows once the level is beyond its
-    # replicas' capacity by the tolerance, and shrinks only to replicas that carry it within the tolerance.
-    grown = needed_replicas(max(level / (up * (1 + TOLERANCE)), floor) + more, pool)
+    # A band around capacity, the HPA's tolerance either side: once the level is beyond the replicas'
+    # capacity by the tolerance, the pool grows to carry all of it (as the HPA sizes a ratio outside its
+    # tolerance in full); it shrinks only to replicas that carry the level with the tolerance to spare.
+    beyond = needed_replicas(max(level / (up * (1 + TOLERANCE)), floor) + more, pool) > view.replicas
     shrunk = needed_replicas(max(level * (1 + TOLERANCE) / up, floor) + more, pool)
-    need = grown if grown > view.replicas else shrunk if shrunk < view.replicas else view.replicas
+    if beyond:
+        need = needed_replicas(max(level / up, floor) + more, pool)
+    else:
+        need = shrunk if shrunk < view.replicas else view.replicas
     idle_for = now - idle_since if idle_since is not None else 0.0
     if idle_since is not None and idle_for >= cfg.demand_window_s:
         need = 0
