@@ -10,7 +10,13 @@ from dynamo.planner.sim.azure import azure_rows
 from dynamo.planner.sim.azure_csv import read_azure_csv
 from dynamo.planner.sim.burstgpt_csv import is_burstgpt_csv, read_burstgpt_csv
 from dynamo.planner.sim.inputs import SimInputError
-from dynamo.planner.sim.trace_files import TraceOptions, infer_block_size, prepare_trace, trace_kind
+from dynamo.planner.sim.trace_files import (
+    TraceOptions,
+    infer_block_size,
+    load_mooncake,
+    prepare_trace,
+    trace_kind,
+)
 from dynamo.planner.sim.trace_rows import TraceWindow, parse_duration, parse_window
 from dynamo.planner.sim.workloads import workload_requests
 
@@ -109,12 +115,12 @@ def _mooncake(path: Path, block: int, prompts: list[int]) -> Path:
 
 
 def test_a_mooncake_traces_block_size_is_read_from_its_ids(tmp_path: Path) -> None:
-    assert infer_block_size(_mooncake(tmp_path / "m512.jsonl", 512, [9013, 600, 2049])) == 512
-    assert infer_block_size(_mooncake(tmp_path / "m64.jsonl", 64, [1280, 65, 300])) == 64
+    assert infer_block_size(load_mooncake(_mooncake(tmp_path / "m512.jsonl", 512, [9013, 600, 2049]))) == 512
+    assert infer_block_size(load_mooncake(_mooncake(tmp_path / "m64.jsonl", 64, [1280, 65, 300]))) == 64
     odd = _write(
         tmp_path / "odd.jsonl", '{"timestamp":0,"input_length":1000,"output_length":1,"hash_ids":[1,2,3]}\n'
     )
-    assert infer_block_size(odd) is None  # no candidate size makes 1,000 tokens 3 ids
+    assert infer_block_size(load_mooncake(odd)) is None  # no candidate size makes 1,000 tokens 3 ids
     prepared = prepare_trace(tmp_path / "m512.jsonl", tmp_path / "unused.jsonl")
     assert prepared.block_size == 512 and prepared.path == tmp_path / "m512.jsonl"
     assert "each hash id stands for 512 prompt tokens (read from the trace" in prepared.note

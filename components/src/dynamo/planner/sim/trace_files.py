@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -60,27 +60,33 @@ def trace_kind(path: str | Path) -> TraceKind:
     return "Mooncake"
 
 
-def infer_block_size(path: str | Path) -> int | None:
-    """The tokens per hash id that every request of a Mooncake trace agrees with (``len(hash_ids) ==
-    ceil(input_length / size)``): 64 when it is among them, else the smallest; None when no size fits every
-    request or no request has ids (an unreadable line is left to ``check_trace``)."""
-    fits: set[int] | None = None
+def load_mooncake(path: str | Path) -> list[Any]:
+    """Every request of a Mooncake trace, parsed once for everything ``prepare_trace`` reads of it; a file
+    that is not JSON lines gets ``check_trace``'s error, which names the line."""
     try:
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    obj = json.loads(line)
-                    ids, isl = obj.get("hash_ids"), int(obj["input_length"])
-                except (ValueError, TypeError, KeyError, AttributeError):
-                    continue
-                if not isinstance(ids, list) or not ids or isl <= 0:
-                    continue
-                here = {b for b in BLOCK_CANDIDATES if len(ids) == math.ceil(isl / b)}
-                fits = here if fits is None else fits & here
-                if not fits:
-                    return None
-    except (OSError, UnicodeDecodeError):
-        return None
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        check_trace(str(path))
+        raise SimInputError(f"trace {path}: not JSON lines") from None
+
+
+def infer_block_size(requests: Iterable[Any]) -> int | None:
+    """The tokens per hash id that every request of a Mooncake trace agrees with (``len(hash_ids) ==
+    ceil(input_length / size)``): 64 when it is among them, else the smallest; None when no size fits every
+    request or no request has ids (a malformed request is left to ``check_trace``)."""
+    fits: set[int] | None = None
+    for obj in requests:
+        try:
+            ids, isl = obj.get("hash_ids"), int(obj["input_length"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        if not isinstance(ids, list) or not ids or isl <= 0:
+            continue
+        here = {b for b in BLOCK_CANDIDATES if len(ids) == math.ceil(isl / b)}
+        fits = here if fits is None else fits & here
+        if not fits:
+            return None
     if not fits:
         return None
     return BLOCK_TOKENS if BLOCK_TOKENS in fits else min(fits)
@@ -93,13 +99,16 @@ class _Rewritten(NamedTuple):
 
 
 def _rewrite_mooncake(
-    path: str | Path, out: Path, window: TraceWindow | None, speedup: float, block: int
+    path: str | Path,
+    requests: list[dict[str, Any]],
+    out: Path,
+    window: TraceWindow | None,
+    speedup: float,
+    block: int,
 ) -> _Rewritten:
-    """The checked Mooncake trace's requests within ``window``, ``speedup`` times faster, from the first one
-    kept, written at ``out``. Hash ids are kept; a request without them (the format allows it, the
-    simulator does not) gets ids of its own, shared with no other request."""
-    with open(path, encoding="utf-8") as f:
-        requests: list[dict[str, Any]] = [json.loads(line) for line in f if line.strip()]
+    """The checked Mooncake trace's requests (read from ``path``) within ``window``, ``speedup`` times
+    faster, from the first one kept, written at ``out``. Hash ids are kept; a request without them (the
+    format allows it, the simulator does not) gets ids of its own, shared with no other request."""
     first = min(float(r["timestamp"]) for r in requests)
     lo, hi = first, math.inf
     if window is not None:
@@ -122,11 +131,6 @@ def _rewrite_mooncake(
                 r["hash_ids"], fresh, given = list(range(fresh, fresh + n)), fresh + n, given + 1
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
     return _Rewritten(len(kept), len(requests) - len(kept), given)
-
-
-def _without_ids(path: str | Path) -> bool:
-    with open(path, encoding="utf-8") as f:
-        return any(not json.loads(line).get("hash_ids") for line in f if line.strip())
 
 
 def prepare_trace(
@@ -160,24 +164,20 @@ def prepare_trace(
             f"{opts.share:g} of them continue an earlier one (seed {opts.seed})"
         )
         return Prepared(dest, kind, BLOCK_TOKENS, len(trace.rows), note + _long(len(trace.rows), opts))
+    loaded = load_mooncake(path)
     how = "given"
     block = opts.block_size
     if block is None:
-        block = infer_block_size(path)
+        block = infer_block_size(loaded)
         how = "read from the trace" if block is not None else "default"
         block = BLOCK_TOKENS if block is None else block
     check_trace(str(path), block)
-    if opts.max_requests is not None:
-        with open(path, encoding="utf-8") as f:
-            _refuse_above(path, sum(1 for line in f if line.strip()), opts.max_requests)
-    replayed, outside, own = Path(path), 0, ""
-    if opts.window is not None or opts.speedup != 1 or _without_ids(path):
+    _refuse_above(path, len(loaded), opts.max_requests)
+    replayed, requests, outside, own = Path(path), len(loaded), 0, ""
+    if opts.window is not None or opts.speedup != 1 or any(not r.get("hash_ids") for r in loaded):
         replayed = dest
-        requests, outside, given = _rewrite_mooncake(path, dest, opts.window, opts.speedup, block)
+        requests, outside, given = _rewrite_mooncake(path, loaded, dest, opts.window, opts.speedup, block)
         own = f"; {given} requests without hash_ids given their own (no sharing)" if given else ""
-    else:
-        with open(path, encoding="utf-8") as f:
-            requests = sum(1 for line in f if line.strip())
     beyond = f" ({outside} requests outside it)" if opts.window is not None else ""
     note = (
         f"{path}: Mooncake format, {requests} requests{cut}{beyond}{faster}; each hash id stands for "
