@@ -1,26 +1,45 @@
-"""Online least-squares regressions of forward-pass ``wall_time`` for the ``sla`` target.
+"""Online least-squares regressions of forward-pass ``wall_time``: the ``sla`` target's latency models,
+and the prefill pool's cost of a prompt token (``policy.prefill.arrival_engines``).
 
 Prefill pool: wall_time ~ a + b * prefill tokens computed in the pass.
 Decode pool: wall_time ~ a + b * decode requests + c * decode KV tokens.
-A sliding window of samples keeps exact sums (add on arrival, subtract on eviction), so a fit costs
-one tiny linear solve. Only timing samples (``wall_time > 0``) of warm workers are added (the caller
-enforces that); heartbeats and queue snapshots are not samples.
+A sliding window of samples keeps exact sums (add on arrival, subtract on eviction), so a fit costs one
+tiny linear solve; a one-feature fit also carries its slope's standard error (one pass over the window).
+Only timing samples (``wall_time > 0``) of warm workers are added (the caller enforces that); heartbeats
+and queue snapshots are not samples.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 from dynamo.common.forward_pass_metrics import ForwardPassMetrics
 
+# A slope is known when it is this many standard errors above zero (about 95% one-sided). Passes of
+# nearly one size (a demo's equal prompts) leave the slope to timing noise: on a CPU, one stalled pass
+# of two 8-token prompts read as 0.02 s a token and sized a prefill pool at 2 engines for no work.
+SLOPE_SIGMAS = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class LinearFit:
-    """A fitted model: ``predict(x) = coef[0] + sum(coef[i+1] * x[i])``."""
+    """A fitted model: ``predict(x) = coef[0] + sum(coef[i+1] * x[i])``. A one-feature fit carries its
+    slope's heteroskedasticity-consistent (HC3) standard error: pass times are not equally noisy (a
+    stall is one huge residual), and a stall on one of few passes of another size must not make a slope."""
 
     coef: tuple[float, ...]
     samples: int
+    slope_stderr: float | None = None
+
+    def slope_known(self) -> bool:
+        """The (first) slope is positive and, when its standard error is known, more than
+        ``SLOPE_SIGMAS`` of them above zero."""
+        b = self.coef[1]
+        if self.slope_stderr is None:
+            return b > 0
+        return b > SLOPE_SIGMAS * self.slope_stderr
 
     def predict(self, *x: float) -> float:
         y = self.coef[0]
@@ -88,7 +107,27 @@ class WindowedRegression:
             # Constant features (all batches alike): the mean is the best we know.
             mean = self._xty[0] / n
             return LinearFit((mean,) + (0.0,) * (self.k - 1), n)
-        return LinearFit(tuple(coef), n)
+        return LinearFit(tuple(coef), n, self._slope_stderr(coef) if self.k == 2 else None)
+
+    def _slope_stderr(self, coef: list[float]) -> float:
+        """HC3 standard error of a one-feature fit's slope (MacKinnon and White, 1985):
+        sqrt(sum(dx_i^2 e_i^2 / (1 - h_i)^2)) / Sxx, h_i = 1/n + dx_i^2 / Sxx the sample's leverage.
+        Infinite when one sample alone decides the slope (leverage 1) or the sizes do not vary."""
+        n = len(self._samples)
+        mean_x = sum(x[0] for x, _ in self._samples) / n
+        sxx = sum((x[0] - mean_x) ** 2 for x, _ in self._samples)
+        if sxx <= 0.0:
+            return math.inf
+        a, b = coef
+        var = 0.0
+        for x, y in self._samples:
+            dx = x[0] - mean_x
+            lever = 1.0 / n + dx * dx / sxx
+            if lever >= 1.0 - 1e-9:
+                return math.inf
+            e = (y - a - b * x[0]) / (1.0 - lever)
+            var += dx * dx * e * e
+        return math.sqrt(var) / sxx
 
 
 def prefill_features(r: ForwardPassMetrics) -> tuple[float, ...]:

@@ -16,15 +16,17 @@ def arrival_engines(view: PoolView, rate: float | None) -> float | None:
 
     A pass of n prompt tokens takes ``a + b n`` seconds (the pool's pass-time fit, from every warm
     engine's passes, saturated or not); in a full pass of ``max_num_batched_tokens`` (B) the fixed part
-    is shared, so a token costs ``b + a / B`` seconds. Without a fit, a token costs one over the rate
-    measured on saturated engines. No source, no fit and no rate: None.
+    is shared, so a token costs ``b + a / B`` seconds, once ``b`` is known (``LinearFit.slope_known``:
+    passes of one size do not tell it). Without such a fit, a token costs one over the rate measured on
+    saturated engines. No source, no fit and no rate: None.
     """
     arrivals = view.arrivals
     if arrivals is None or not view.pool.engines:
         return None
     tokens_s = arrivals.prompt_tokens_per_s
     fit = view.pool.latency
-    if fit is not None and fit.samples >= view.cfg.sla.min_samples and len(fit.coef) == 2 and fit.coef[1] > 0:
+    known = fit is not None and fit.samples >= view.cfg.sla.min_samples and len(fit.coef) == 2
+    if fit is not None and known and fit.slope_known():
         a, b = fit.coef
         batch = view.pool.engines[0].capacity.max_num_batched_tokens or max(arrivals.mean_isl, 1.0)
         return tokens_s * (b + max(a, 0.0) / batch)
