@@ -131,6 +131,28 @@ def test_prefill_backlog_scales_prefill_not_decode() -> None:
     assert d.decode.action == "hold"
 
 
+def test_a_queue_on_one_engine_of_an_idle_pool_is_not_late() -> None:
+    """The late rule reads the backlog spread over the pool. Mooncake's conversation trace (prompts up to
+    126k tokens) queued one engine behind a long prompt while the others idled; a replica per tick, asked
+    while that queue stood (it stays on its engine), took the pool 3 -> 6 and back within minutes."""
+    cfg = config()
+    arrivals = Arrivals(0.8 * 25.6, 1000.0, 5.0)  # 0.8 engines' worth
+    busy = rec("p0", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=8000)  # 0.31 s queued
+    idle = [rec(f"p{i}", s_prefill=1, s_prefill_tokens=100) for i in (1, 2)]
+    decode = [rec("d0", s_decode=4, s_decode_kv=3000)]
+    o = replace(obs(0.0, [busy, *idle], decode), arrivals=arrivals)
+    d, _ = decide(o, WATCHING, cfg)
+    assert d.prefill.action != "scale_up" and "queue waits" not in d.prefill.reason, d.prefill.reason
+    assert d.prefill.signals.queue_wait_s == pytest.approx(8000 / 25_600, abs=1e-3)  # the longest, as before
+    # The same queue on every engine: the pool is short, one replica more.
+    queued = [
+        rec(f"p{i}", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=8000) for i in range(3)
+    ]
+    d, _ = decide(replace(obs(0.0, queued, decode), arrivals=arrivals), WATCHING, cfg)
+    assert d.prefill.action == "scale_up" and d.prefill.desired == 4, d.prefill.reason
+    assert d.prefill.reason.endswith("a queue waits over half the TTFT target"), d.prefill.reason
+
+
 def test_capacity_unknown_holds_with_reason() -> None:
     cfg = config(capacity={})
     unknown = pool("decode", [rec("d0", s_decode=4, s_decode_kv=3000)], capacity=type(CAP)())

@@ -83,7 +83,10 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
         drain = backlog / (rate * cfg.demand_window_s)
         wait_s = max(queued) / rate
         sig = replace(sig, queue_wait_s=round(wait_s, 3), drain_engines=round(drain, 3))
-        late = wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
+        # Late: the backlog spread over the pool still waits over half the TTFT target. One engine's queue
+        # behind a long prompt, with the others idle, stays on that engine: a replica more does not help it.
+        pooled_wait_s = backlog / (rate * len(pool.engines))
+        late = pooled_wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
     # KV the engines hold for peers that have not read it (a dead or slow decode worker) is capacity no new
     # prompt can use until the lease ends: the engines' worth of it is wanted on top while it lasts.
     held = sum(e.held_kv_tokens / e.capacity.kv_tokens for e in pool.engines if e.capacity.kv_tokens)
