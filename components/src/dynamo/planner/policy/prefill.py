@@ -25,8 +25,12 @@ def arrival_engines(view: PoolView, rate: float | None) -> float | None:
         return None
     tokens_s = arrivals.prompt_tokens_per_s
     fit = view.pool.latency
-    known = fit is not None and fit.samples >= view.cfg.sla.min_samples and len(fit.coef) == 2
-    if fit is not None and known and fit.slope_known():
+    if (
+        fit is not None
+        and fit.samples >= view.cfg.sla.min_samples
+        and len(fit.coef) == 2
+        and fit.slope_known()
+    ):
         a, b = fit.coef
         batch = view.pool.engines[0].capacity.max_num_batched_tokens or max(arrivals.mean_isl, 1.0)
         return tokens_s * (b + max(a, 0.0) / batch)

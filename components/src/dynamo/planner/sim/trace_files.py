@@ -106,9 +106,10 @@ def _rewrite_mooncake(
     speedup: float,
     block: int,
 ) -> _Rewritten:
-    """The checked Mooncake trace's requests (read from ``path``) within ``window``, ``speedup`` times
-    faster, from the first one kept, written at ``out``. Hash ids are kept; a request without them (the
-    format allows it, the simulator does not) gets ids of its own, shared with no other request."""
+    """The checked Mooncake trace's ``requests`` (parsed from ``path``, which errors name) within
+    ``window``, ``speedup`` times faster, from the first one kept, written at ``out``. Hash ids are kept;
+    a request without them (the format allows it, the simulator does not) gets ids of its own, shared
+    with no other request."""
     first = min(float(r["timestamp"]) for r in requests)
     lo, hi = first, math.inf
     if window is not None:
