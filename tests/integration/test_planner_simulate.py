@@ -567,8 +567,13 @@ def test_a_trace_without_ids_or_beyond_the_engines_is_replayed_and_said(tmp_path
         "warning: 1 requests have prompts longer than the engines admit (16384 tokens; the longest 20000)"
         in (done.stderr)
     )
+    assert "--engines long-context admits 262144" in done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["requests"] == 3 and summary["completed_requests"] == 2
+    # The workloads' engines, as the benchmark judges a trace: every prompt admitted.
+    done = _cli("--trace", str(trace), "--static", "1,1", "--json", "--engines", "long-context")
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["completed_requests"] == 3
     long_context = json.dumps({"engine": {"max_model_len": 32768}})
     done = _cli(
         "--trace",

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -20,6 +21,13 @@ from .scenarios import SCENARIOS, write_trace
 from .trace_files import Prepared, TraceOptions, prepare_trace
 from .trace_rows import parse_window
 from .workloads import LONG_CONTEXT, SLA_ITL_MS, SLA_TTFT_MS, WORKLOADS, write_workload
+
+# ``--engines``: each pool's mocker config before ``--{pool}-engine-args`` (``{}``: the mocker's defaults
+# as ``inputs.engine_args`` completes them).
+ENGINE_PAIRS: dict[str, dict[str, dict[str, Any]]] = {
+    "default": {"prefill": {}, "decode": {}},
+    "long-context": LONG_CONTEXT,
+}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -90,12 +98,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     sp.add_argument("--target", choices=["throughput", "latency", "load", "sla"], help="scaling target")
     sp.add_argument("--gpu-budget", type=int, help="GPUs for both pools together (default: none)")
+    sp.add_argument(
+        "--engines",
+        choices=list(ENGINE_PAIRS),
+        help="the engine pair: default (the suite's: 8192 blocks of 64 tokens, 64 sequences, 16k context "
+        "each) or long-context (the workloads': prefill 8192 and decode 4096 blocks, 64 sequences, 256k "
+        "context; what bench_planner_traffic.py --trace judges a trace on) (default: a workload's "
+        "long-context, else default)",
+    )
     for pool in ("prefill", "decode"):
         sp.add_argument(
             f"--{pool}-engine-args",
             metavar="JSON",
-            help=f"mocker config of a {pool} engine, inline JSON or a file "
-            '(default: {"engine": {"num_gpu_blocks": 8192, "max_num_seqs": 64, "max_model_len": 16384}})',
+            help=f"mocker config of a {pool} engine, inline JSON or a file (replaces --engines' for it)",
         )
     sp.add_argument(
         "--startup-time", type=float, metavar="S", help="seconds a new worker takes to serve (default: 60)"
@@ -137,7 +152,7 @@ def build_spec(args: argparse.Namespace, cfg: PlannerConfig) -> SimSpec:
     block = BLOCK_TOKENS if args.trace_block_size is None else args.trace_block_size
     durations = [check_trace(t, block) for t in args.trace]
     workload = WORKLOADS.get(args.scenario or "")
-    defaults: dict[str, dict[str, Any]] = LONG_CONTEXT if workload else {"prefill": {}, "decode": {}}
+    defaults = ENGINE_PAIRS[args.engines or ("long-context" if workload else "default")]
     prefill = engine_args(
         parse_json_arg(args.prefill_engine_args, "prefill-engine-args") or defaults["prefill"],
         "prefill",
@@ -227,23 +242,33 @@ def replayable_traces(args: argparse.Namespace, folder: str, quiet: bool = False
     return prepared
 
 
+def admitted_tokens(prefill_engine_args: Mapping[str, Any], decode_engine_args: Mapping[str, Any]) -> int:
+    """The longest prompt both engines of a pair admit: the shorter context, or KV, of the two (normalized
+    configs, ``inputs.engine_args``)."""
+    return min(
+        min(int(e["max_model_len"]), int(e["num_gpu_blocks"]) * int(e["block_size"]))
+        for e in (prefill_engine_args["engine"], decode_engine_args["engine"])
+    )
+
+
 def admission_warning(spec: SimSpec) -> str | None:
     """A line when some prompts are longer than an engine admits: the simulator rejects them, and they count
     against goodput (the suite's default engines hold 16k tokens; the workloads' 256k)."""
-    limit = min(
-        min(int(e["max_model_len"]), int(e["num_gpu_blocks"]) * int(e["block_size"]))
-        for e in (spec.prefill_engine_args["engine"], spec.decode_engine_args["engine"])
-    )
+    limit = admitted_tokens(spec.prefill_engine_args, spec.decode_engine_args)
     over, longest = 0, 0
     for trace in spec.traces:
         n, top = prompts_over(trace, limit)
         over, longest = over + n, max(longest, top)
     if not over:
         return None
+    raise_it = "--prefill-engine-args and --decode-engine-args set max_model_len and num_gpu_blocks"
+    pair = ENGINE_PAIRS["long-context"]
+    most = admitted_tokens(*(engine_args(pair[pool], pool, None) for pool in ("prefill", "decode")))
+    if limit < most:
+        raise_it = f"--engines long-context admits {most}; {raise_it}"
     return (
         f"{over} requests have prompts longer than the engines admit ({limit} tokens; the longest "
-        f"{longest}): the simulator rejects them and they count against goodput. --prefill-engine-args and "
-        f"--decode-engine-args set max_model_len and num_gpu_blocks (the workloads' engines hold 262144)"
+        f"{longest}): the simulator rejects them and they count against goodput. {raise_it}"
     )
 
 
