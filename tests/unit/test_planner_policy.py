@@ -144,6 +144,7 @@ def test_a_queue_on_one_engine_of_an_idle_pool_is_not_late() -> None:
     d, _ = decide(o, WATCHING, cfg)
     assert d.prefill.action != "scale_up" and "queue waits" not in d.prefill.reason, d.prefill.reason
     assert d.prefill.signals.queue_wait_s == pytest.approx(8000 / 25_600, abs=1e-3)  # the longest, as before
+    assert d.prefill.signals.late_engines == 1  # 0.31 s over half the 500 ms target, on one engine of three
     # The same queue on every engine: the pool is short, one replica more.
     queued = [
         rec(f"p{i}", s_prefill=2, s_prefill_tokens=512, q_prefill=8, q_prefill_tokens=8000) for i in range(3)
@@ -151,6 +152,7 @@ def test_a_queue_on_one_engine_of_an_idle_pool_is_not_late() -> None:
     d, _ = decide(replace(obs(0.0, queued, decode), arrivals=arrivals), WATCHING, cfg)
     assert d.prefill.action == "scale_up" and d.prefill.desired == 4, d.prefill.reason
     assert d.prefill.reason.endswith("a queue waits over half the TTFT target"), d.prefill.reason
+    assert d.prefill.signals.late_engines == 3
 
 
 def test_capacity_unknown_holds_with_reason() -> None:

@@ -63,7 +63,8 @@ class Signals:
     queued_prefill_tokens: int | None = None
     engine_rate_tok_s: float | None = None
     arrival_engines: float | None = None  # engines' worth of work the frontend's arrivals bring
-    queue_wait_s: float | None = None
+    queue_wait_s: float | None = None  # the longest engine's queue, in seconds of its passes
+    late_engines: int | None = None  # engines whose queue waits over half the TTFT target
     drain_engines: float | None = None
     held_kv_engines: float | None = None  # engines' worth of KV held for peers that have not read it
     # The SLA target's latency models.

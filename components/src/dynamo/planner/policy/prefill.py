@@ -85,12 +85,17 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     late = False
     if rate is not None and rate > 0 and backlog > 0:
         drain = backlog / (rate * cfg.demand_window_s)
-        wait_s = max(queued) / rate
-        sig = replace(sig, queue_wait_s=round(wait_s, 3), drain_engines=round(drain, 3))
+        half_ttft_s = 0.5 * cfg.sla.ttft_ms / 1000.0
+        sig = replace(
+            sig,
+            queue_wait_s=round(max(queued) / rate, 3),
+            late_engines=sum(1 for q in queued if q / rate > half_ttft_s),
+            drain_engines=round(drain, 3),
+        )
         # Late: the backlog spread over the pool still waits over half the TTFT target. One engine's queue
         # behind a long prompt, with the others idle, stays on that engine: a replica more does not help it.
         pooled_wait_s = backlog / (rate * len(pool.engines))
-        late = pooled_wait_s > 0.5 * cfg.sla.ttft_ms / 1000.0 and slope >= 0 and view.starting == 0
+        late = pooled_wait_s > half_ttft_s and slope >= 0 and view.starting == 0
     # KV the engines hold for peers that have not read it (a dead or slow decode worker) is capacity no new
     # prompt can use until the lease ends: the engines' worth of it is wanted on top while it lasts.
     held = sum(e.held_kv_tokens / e.capacity.kv_tokens for e in pool.engines if e.capacity.kv_tokens)
