@@ -86,10 +86,11 @@ def prefill_sizing(view: PoolView, now: float) -> tuple[Sizing, PoolState]:
     if rate is not None and rate > 0 and backlog > 0:
         drain = backlog / (rate * cfg.demand_window_s)
         half_ttft_s = 0.5 * cfg.sla.ttft_ms / 1000.0
+        waits_s = [q / rate for q in queued]  # each engine's queue, in seconds of its passes
         sig = replace(
             sig,
-            queue_wait_s=round(max(queued) / rate, 3),
-            late_engines=sum(1 for q in queued if q / rate > half_ttft_s),
+            queue_wait_s=round(max(waits_s), 3),
+            late_engines=sum(1 for w in waits_s if w > half_ttft_s),
             drain_engines=round(drain, 3),
         )
         # Late: the backlog spread over the pool still waits over half the TTFT target. One engine's queue
